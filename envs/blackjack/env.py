@@ -1,0 +1,78 @@
+"""BlackJack as a text env: one decision per turn, the prompt shows the cards that matter.
+
+The public demo never showed the model its sum or the dealer's card, so no card-dependent
+strategy could be learned. Here each prompt states the player's sum, whether an ace counts
+as 11 (soft), and the dealer's face-up card.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import gymnasium as gym
+
+from ray_forge.env import StepResult
+
+ACTION_WORDS = ("HIT", "STICK")
+_ACTION_RE = re.compile(r"\b(hit|stick|stand)\b", re.IGNORECASE)
+
+
+class State(NamedTuple):
+    player_sum: int
+    dealer_card: int
+    """1 is an ace."""
+    usable_ace: bool
+
+
+def render_state(state: State) -> str:
+    dealer = "A" if state.dealer_card == 1 else str(state.dealer_card)
+    hand = "soft" if state.usable_ace else "hard"
+    return f"Your sum is {state.player_sum}, {hand}. Dealer shows {dealer}. HIT or STICK?"
+
+
+def parse_action(text: str) -> int | None:
+    """1 = hit, 0 = stick (gymnasium's encoding); None when the text names neither."""
+    match = _ACTION_RE.search(text)
+    if match is None:
+        return None
+    return 1 if match.group(1).lower() == "hit" else 0
+
+
+def outcome_text(reward: float) -> str:
+    return "You win." if reward > 0 else "You lose." if reward < 0 else "Push."
+
+
+class BlackjackTextEnv:
+    """gymnasium's Blackjack-v1 behind the ``TextEnv`` protocol."""
+
+    action_words = ACTION_WORDS
+
+    def __init__(self, invalid_action_penalty: float = -1.0) -> None:
+        self._env = gym.make("Blackjack-v1", sab=False, natural=False)
+        self._penalty = invalid_action_penalty
+        self.state: State | None = None
+
+    def reset(self, seed: int) -> str:
+        """Same seed, same cards: GRPO groups compare decisions on identical deals."""
+        obs, _ = self._env.reset(seed=seed)
+        self.state = State(int(obs[0]), int(obs[1]), bool(obs[2]))
+        return render_state(self.state)
+
+    def step(self, action_text: str) -> StepResult:
+        action = parse_action(action_text)
+        if action is None:
+            self.state = None
+            return StepResult(outcome_text(self._penalty), self._penalty, True, {"error": "invalid action"})
+        obs, reward, terminated, truncated, _ = self._env.step(action)
+        done = bool(terminated or truncated)
+        self.state = None if done else State(int(obs[0]), int(obs[1]), bool(obs[2]))
+        text = outcome_text(reward) if done else render_state(self.state)
+        return StepResult(text, float(reward), done, {"action": action})
+
+    @staticmethod
+    def corpus() -> list[str]:
+        """Every text the env can show or accept, to build a tokenizer for a model made from scratch."""
+        texts = [render_state(State(p, d, a)) for p in range(4, 22) for d in range(1, 11) for a in (False, True)]
+        texts += [outcome_text(r) for r in (-1.0, 0.0, 1.0)] + list(ACTION_WORDS)
+        return texts

@@ -1,0 +1,124 @@
+"""Join or start Ray, and turn resource pools into placement groups on labelled nodes.
+
+Placement is decided here and in config, never inside an actor class: each role asks for
+``Resources`` (pool, CPUs, GPUs); every pool becomes one placement group with a bundle per
+actor, pinned by the ``ray_forge/pool`` node label when the config names one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_forge.grpo_config import ClusterConfig, Resources
+
+log = logging.getLogger(__name__)
+
+POOL_LABEL = "ray_forge/pool"
+NAMESPACE = "ray_forge"
+
+
+class PlacementError(RuntimeError):
+    """A pool's placement group could not be scheduled in time."""
+
+
+def connect(config: ClusterConfig) -> bool:
+    """Join the cluster we were submitted to, or start an embedded one. Returns True if started."""
+    if ray.is_initialized():
+        return False
+    address = config.address
+    if address == "auto":
+        # `ray job submit` (and KubeRay's RayJob) set RAY_ADDRESS for the entrypoint.
+        address = os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+        log.info("joined Ray cluster at %s", address)
+        return False
+    ray.init(
+        num_cpus=config.num_cpus,
+        num_gpus=0,
+        object_store_memory=config.object_store_memory_mb * 2**20,
+        include_dashboard=config.include_dashboard,
+        namespace=NAMESPACE,
+        log_to_driver=True,
+    )
+    ctx = ray.get_runtime_context()
+    dashboard = getattr(ray._private.worker.global_worker.node, "address_info", {}).get("webui_url")
+    log.info("started an embedded Ray cluster (%d CPUs, node %s); dashboard: %s",
+             config.num_cpus, ctx.get_node_id()[:8], dashboard and f"http://{dashboard}")
+    return True
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one actor goes: its placement group bundle and the resources it asks for."""
+
+    placement_group: PlacementGroup
+    bundle_index: int
+    resources: Resources
+
+    def options(self, name: str) -> dict:
+        """Keyword arguments for ``ActorClass.options(...)``."""
+        return dict(
+            name=name,
+            num_cpus=self.resources.num_cpus,
+            num_gpus=self.resources.num_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group,
+                placement_group_bundle_index=self.bundle_index,
+            ),
+        )
+
+
+class Pools:
+    """One placement group per pool; ``reserve`` every role's bundles, then hand out slots."""
+
+    def __init__(self, config: ClusterConfig, roles: dict[str, list[Resources]]) -> None:
+        self._groups: list[PlacementGroup] = []
+        self.slots: dict[str, list[Slot]] = {role: [] for role in roles}
+        by_pool: dict[str, list[tuple[str, Resources]]] = {}
+        for role, resources in roles.items():
+            for res in resources:
+                by_pool.setdefault(res.pool, []).append((role, res))
+        try:
+            for pool, members in by_pool.items():
+                group = self._reserve(pool, [res for _, res in members], config)
+                for index, (role, res) in enumerate(members):
+                    self.slots[role].append(Slot(group, index, res))
+        except BaseException:
+            self.release()
+            raise
+
+    def _reserve(self, pool: str, members: list[Resources], config: ClusterConfig) -> PlacementGroup:
+        bundles = [_bundle(res) for res in members]
+        label = config.pool_labels.get(pool)
+        selector = [{POOL_LABEL: label} for _ in bundles] if label else None
+        group = placement_group(bundles, strategy="PACK", name=f"ray_forge-{pool}", bundle_label_selector=selector)
+        self._groups.append(group)
+        try:
+            ray.get(group.ready(), timeout=config.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            where = f"nodes labelled {POOL_LABEL}={label}" if label else "the cluster"
+            raise PlacementError(
+                f"pool {pool!r} needs bundles {bundles} on {where}, but they could not be placed within "
+                f"{config.placement_timeout_s:.0f}s; cluster has {ray.available_resources()}"
+            ) from None
+        log.info("pool %s: %d bundles %s%s", pool, len(bundles), bundles, f" on {POOL_LABEL}={label}" if label else "")
+        return group
+
+    def release(self) -> None:
+        for group in self._groups:
+            remove_placement_group(group)
+        self._groups.clear()
+
+
+def _bundle(res: Resources) -> dict[str, float]:
+    bundle = {"CPU": res.num_cpus}
+    if res.num_gpus:
+        bundle["GPU"] = res.num_gpus
+    return bundle

@@ -1,0 +1,136 @@
+"""GRPO maths as pure tensor functions: group advantages, clipped importance-corrected loss, k3 KL.
+
+Shapes: B sequences, T target positions. ``mask_BT`` is 1 on generated (response) tokens.
+``weights_B`` counts how many identical samples a row stands for (see ``episode.merge_identical``);
+the policy-gradient term carries it through the advantage, KL and entropy through the weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+def group_advantages(rewards_B: torch.Tensor, group_size: int, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalise rewards within consecutive groups of ``group_size``.
+
+    Returns (advantages_B, keep_B). A group whose rewards are all equal carries no signal and is
+    dropped (keep=False, advantage 0). Uses the population std so a 2-game group gives +-1.
+    """
+    if rewards_B.numel() % group_size:
+        raise ValueError(f"{rewards_B.numel()} rewards do not split into groups of {group_size}")
+    rewards_NG = rewards_B.float().view(-1, group_size)
+    mean_N1 = rewards_NG.mean(dim=1, keepdim=True)
+    std_N1 = rewards_NG.std(dim=1, keepdim=True, correction=0)
+    keep_N1 = std_N1 > eps
+    advantages_NG = torch.where(keep_N1, (rewards_NG - mean_N1) / (std_N1 + eps), torch.zeros_like(rewards_NG))
+    return advantages_NG.view(-1), keep_N1.expand_as(rewards_NG).reshape(-1)
+
+
+def k3_kl(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(policy || reference), per token, always >= 0."""
+    log_ratio = ref_logprobs_BT - logprobs_BT
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def loss_normalizer(mask_BT: torch.Tensor, weights_B: torch.Tensor, aggregation: Aggregation) -> torch.Tensor:
+    """The denominator of the aggregated loss, over the *whole* batch (all micro-batches and ranks)."""
+    if aggregation == "token-mean":
+        return (mask_BT * weights_B[:, None]).sum()
+    return weights_B.sum()
+
+
+def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, aggregation: Aggregation, normalizer: torch.Tensor) -> torch.Tensor:
+    """Sum masked per-token values the way ``aggregation`` says, divided by ``normalizer``.
+
+    The values already carry each row's weight, so this is a plain masked sum.
+    """
+    masked_BT = values_BT * mask_BT
+    if aggregation == "seq-mean-token-mean":
+        masked_BT = masked_BT / mask_BT.sum(dim=1, keepdim=True).clamp(min=1)
+    return masked_BT.sum() / normalizer
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    loss: torch.Tensor
+    clip_fraction: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    ratio_mean: torch.Tensor
+
+
+def grpo_loss(
+    logprobs_BT: torch.Tensor,
+    behaviour_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_eps: float,
+    weights_B: torch.Tensor | None = None,
+    ref_logprobs_BT: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy_BT: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    aggregation: Aggregation = "token-mean",
+    normalizer: torch.Tensor | None = None,
+) -> LossTerms:
+    """Clipped policy-ratio loss against the behaviour policy's logprobs (importance-corrected).
+
+    ratio = pi_theta / pi_behaviour per token, where pi_behaviour is what the rollout engine
+    reported; samples from older policy versions are therefore corrected, not assumed on-policy.
+    """
+    mask_BT = mask_BT.to(logprobs_BT.dtype)
+    if weights_B is None:
+        weights_B = torch.ones_like(advantages_B)
+    if normalizer is None:
+        normalizer = loss_normalizer(mask_BT, weights_B, aggregation)
+    ratio_BT = torch.exp(logprobs_BT - behaviour_logprobs_BT)
+    clipped_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    adv_B1 = advantages_B[:, None]
+    pg_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1)
+    per_token_BT = pg_BT
+    w_B1 = weights_B[:, None]
+    kl_BT = torch.zeros_like(logprobs_BT)
+    if ref_logprobs_BT is not None:
+        kl_BT = k3_kl(logprobs_BT, ref_logprobs_BT)
+        per_token_BT = per_token_BT + kl_coef * w_B1 * kl_BT
+    ent_BT = entropy_BT if entropy_BT is not None else torch.zeros_like(logprobs_BT)
+    if entropy_coef:
+        per_token_BT = per_token_BT - entropy_coef * w_B1 * ent_BT
+    with torch.no_grad():
+        # Tokens where clipping removed the gradient, i.e. the unclipped term was not the minimum.
+        is_clipped_BT = ((ratio_BT * adv_B1) > (clipped_BT * adv_B1)).to(mask_BT.dtype)
+        token_weight_BT = mask_BT * w_B1
+        num_tokens = token_weight_BT.sum().clamp(min=1)
+        stats = dict(
+            clip_fraction=(is_clipped_BT * token_weight_BT).sum() / num_tokens,
+            kl=(kl_BT * token_weight_BT).sum() / num_tokens,
+            entropy=(ent_BT * token_weight_BT).sum() / num_tokens,
+            ratio_mean=(ratio_BT * token_weight_BT).sum() / num_tokens,
+        )
+    return LossTerms(loss=aggregate(per_token_BT, mask_BT, aggregation, normalizer), **stats)
+
+
+def token_logprobs_and_entropy(
+    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, allowed_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token and the entropy of the distribution it came from.
+
+    With ``allowed_ids`` the distribution is renormalised over those tokens only, matching an
+    engine that sampled from that restricted set; targets outside it get -inf.
+    """
+    logits_BTV = logits_BTV.float()
+    if allowed_ids is not None:
+        restricted_BTV = torch.full_like(logits_BTV, float("-inf"))
+        restricted_BTV[..., allowed_ids] = logits_BTV[..., allowed_ids]
+        logits_BTV = restricted_BTV
+    logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
+    token_logprobs_BT = logp_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    probs_BTV = logp_BTV.exp()
+    entropy_BT = -(probs_BTV * torch.where(probs_BTV > 0, logp_BTV, torch.zeros_like(logp_BTV))).sum(-1)
+    return token_logprobs_BT, entropy_BT

@@ -1,0 +1,188 @@
+"""The GRPO job's config: one frozen dataclass per component, every field documented.
+
+Loaded by :func:`ray_forge.config.load_config` from ``jobs/configs/*.yaml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resources:
+    """What one actor asks Ray for; applied with ``.options()`` where the actor is created."""
+
+    pool: Literal["gpu", "cpu"] = "gpu"
+    """Resource pool (placement group) the actor's bundle lives in."""
+    num_cpus: float = 1.0
+    """CPUs reserved for the actor's bundle."""
+    num_gpus: float = 0.0
+    """GPUs reserved for the actor's bundle (0 on CPU-only machines: CPU bundles stand in)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    address: str = "auto"
+    """'auto' joins the cluster in RAY_ADDRESS (set by ``ray job submit``) if there is one, else starts an
+    embedded local cluster; 'local' always starts one; anything else is passed to ``ray.init``."""
+    num_cpus: int = 2
+    """CPUs of the embedded local cluster (ignored when joining a cluster)."""
+    object_store_memory_mb: int = 1024
+    """Object store of the embedded local cluster."""
+    include_dashboard: bool = True
+    """Start the Ray dashboard with the embedded cluster."""
+    pool_labels: dict[str, str] = field(default_factory=dict)
+    """Pool name -> value of the ``ray_forge/pool`` node label its bundles must land on.
+    A pool that is not listed may land on any node (the local default)."""
+    placement_timeout_s: float = 300.0
+    """How long to wait for a pool's placement group before failing with the missing resources."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyModelConfig:
+    """A random-init Qwen3 made locally when no model path is given."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 128
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    path: str = ""
+    """A local Hugging Face Qwen3 folder. Empty: make a tiny Qwen3 and tokenizer in the run dir."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the tiny model (only used when ``path`` is empty)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    num_replicas: int = 1
+    """vLLM engines; each is an actor ``policy-<i>``."""
+    resources: Resources = field(default_factory=Resources)
+    temperature: float = 1.0
+    """Sampling temperature for rollouts (evaluation is greedy)."""
+    max_tokens: int = 1
+    """Tokens generated per turn."""
+    constrain_to_actions: bool = True
+    """Sample only the first token of each of the env's action words (structured output).
+    The trainer then takes its logprobs over the same tokens, so the importance ratio is exact."""
+    max_model_len: int = 128
+    kv_cache_mb: int = 256
+    """KV cache size; vLLM on CPU takes bytes rather than a memory fraction."""
+    enforce_eager: bool = True
+    """Skip graph compilation: it costs ~40 s at start and gains nothing for a tiny model."""
+    dtype: str = "float32"
+    """Engine dtype (bfloat16 on GPU for real models)."""
+    tensor_parallel_size: int = 1
+    call_timeout_s: float = 300.0
+    """Longest wait for one generate or weight-update call."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    num_ranks: int = 1
+    """FSDP2 ranks (actors ``trainer-<rank>``); gloo on CPU, NCCL on GPU."""
+    resources: Resources = field(default_factory=Resources)
+    lr: float = 3e-5
+    min_lr_ratio: float = 0.1
+    """Cosine decay to ``lr * min_lr_ratio`` at the last step (good runs wander without it)."""
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 4096
+    """Sequences per forward/backward; gradients accumulate over micro-batches."""
+    merge_identical: bool = True
+    """Merge identical (sequence, policy version, advantage sign) samples into one weighted
+    sample. The loss and gradient are unchanged; short-vocabulary envs repeat sequences a lot."""
+    call_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceConfig:
+    resources: Resources = field(default_factory=Resources)
+    call_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BufferConfig:
+    max_policy_lag: int = 1
+    """Episodes more than this many policy versions behind the trainer are evicted, and
+    rollouts may run at most this many steps ahead of training."""
+    max_uses: int = 1
+    """How many times an episode may be handed out for training (1 = never twice)."""
+    capacity_games: int = 65536
+    """Oldest episodes are dropped beyond this."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    name: str = "blackjack"
+    num_actors: int = 1
+    """Env actors ``env-<i>``, each stepping many games at once."""
+    resources: Resources = field(default_factory=lambda: Resources(pool="cpu", num_cpus=0.5))
+    invalid_action_penalty: float = -1.0
+    """Reward for a game ended by an unparseable action."""
+    max_turns: int = 12
+    """A game still running after this many turns ends with the invalid-action penalty."""
+    call_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    group_size: int = 8
+    """G: games dealt from the same seed, compared with each other."""
+    games_per_step: int = 4096
+    """Games per training step (a multiple of ``group_size``)."""
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    """k3 KL to the reference model; 0 does not start the reference actor."""
+    entropy_coef: float = 0.01
+    token_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str = "blackjack"
+    output_dir: str = "runs"
+    """Run directories are created under this folder, ``<output_dir>/<name>-<timestamp>``."""
+    steps: int = 100
+    seed: int = 0
+    eval_every: int = 10
+    """Exact evaluation of the greedy policy every N steps (0: only at the end)."""
+    eval_mc_games: int = 20000
+    """Monte-Carlo games in the final evaluation (a cross-check of the exact value)."""
+    keep_best: bool = False
+    """Save the best-evaluated policy as well as the final one (the final is always saved)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    def __post_init__(self) -> None:
+        from ray_forge.config import ConfigError
+
+        if self.grpo.games_per_step % self.grpo.group_size:
+            raise ConfigError(
+                f"grpo.games_per_step ({self.grpo.games_per_step}) must be a multiple of "
+                f"grpo.group_size ({self.grpo.group_size})"
+            )
+        if self.grpo.group_size < 2:
+            raise ConfigError("grpo.group_size must be >= 2: advantages compare games within a group")

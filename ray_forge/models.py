@@ -1,0 +1,88 @@
+"""Make a tiny Qwen3 locally (nothing is downloaded) and check local HF checkpoints.
+
+The tiny model is a normal Hugging Face folder: ``config.json``, ``model.safetensors`` and a
+word-level tokenizer trained on the env's texts, so vLLM, TorchTitan and transformers load it
+exactly as they would load Qwen3-1.7B.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from ray_forge.grpo_config import TinyModelConfig
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<eos>")
+
+
+class ModelError(ValueError):
+    """A model folder is missing, incomplete or of an unsupported architecture."""
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Fail early, with the reason, on a folder that vLLM or TorchTitan could not load."""
+    folder = Path(path).expanduser().resolve()
+    if not folder.is_dir():
+        raise ModelError(f"model path {folder} does not exist (model.path must be a local HF folder)")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"model path {folder} has no config.json: not a Hugging Face model folder")
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") != "qwen3":
+        raise ModelError(f"model at {folder} is {config.get('model_type')!r}; ray_forge trains Qwen3 models")
+    if not any(folder.glob("*.safetensors")):
+        raise ModelError(f"model path {folder} has no *.safetensors weights")
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise ModelError(f"model path {folder} has no tokenizer files")
+    return folder
+
+
+def build_tokenizer(corpus: list[str]):
+    """A word-level tokenizer whose vocabulary is exactly the words of ``corpus``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS)))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>", bos_token=None
+    )
+
+
+def make_tiny_qwen3(out_dir: str | Path, corpus: list[str], shape: TinyModelConfig) -> Path:
+    """Write a random-init Qwen3 + tokenizer to ``out_dir`` (reused if already there)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = Path(out_dir)
+    if (folder / "config.json").is_file():
+        return check_model_dir(folder)
+    tokenizer = build_tokenizer(corpus)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        # Tied embeddings gave wrong tokens after an in-place vLLM weight reload.
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(shape.seed)
+    model = Qwen3ForCausalLM(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    num_params = sum(p.numel() for p in model.parameters())
+    log.info("made a tiny Qwen3 (%.2fM params, vocab %d) in %s", num_params / 1e6, len(tokenizer), folder)
+    return folder

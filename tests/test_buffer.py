@@ -1,0 +1,42 @@
+"""Replay buffer eviction and hand-out rules (no Ray)."""
+
+from ray_forge.actors.buffer import ReplayBuffer
+from ray_forge.episode import Episode, Turn
+
+
+def _group(version, group_id, size=2):
+    turn = Turn((1,), (2,), (-0.5,), version)
+    return [Episode(group_id=group_id, seed=group_id, turns=(turn,), reward=float(i)) for i in range(size)]
+
+
+def test_evicts_groups_older_than_the_lag():
+    buf = ReplayBuffer(max_policy_lag=1)
+    buf.add([_group(0, 0), _group(1, 1), _group(2, 2)])
+    assert buf.evict_stale(trainer_version=2) == 1
+    assert buf.num_games() == 4
+    batch = buf.sample(4, trainer_version=3)  # version 1 is now too old too
+    assert batch is None and buf.num_games() == 2
+
+
+def test_never_hands_out_twice_by_default():
+    buf = ReplayBuffer(max_policy_lag=5)
+    buf.add([_group(0, g) for g in range(3)])
+    first = buf.sample(4, trainer_version=0)
+    assert [g[0].group_id for g in first] == [0, 1]
+    second = buf.sample(2, trainer_version=0)
+    assert [g[0].group_id for g in second] == [2]
+    assert buf.sample(2, trainer_version=0) is None
+
+
+def test_reuse_when_configured():
+    buf = ReplayBuffer(max_policy_lag=5, max_uses=2)
+    buf.add([_group(0, 0)])
+    assert buf.sample(2, 0) is not None and buf.sample(2, 0) is not None
+    assert buf.sample(2, 0) is None
+
+
+def test_capacity_drops_oldest():
+    buf = ReplayBuffer(max_policy_lag=5, capacity_games=4)
+    buf.add([_group(0, g) for g in range(3)])
+    assert buf.num_games() == 4 and buf.stats()["dropped_full"] == 1
+    assert buf.sample(2, 0)[0][0].group_id == 1

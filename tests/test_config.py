@@ -1,0 +1,65 @@
+"""Strict config loading (no Ray)."""
+
+from pathlib import Path
+
+import pytest
+
+from ray_forge.config import ConfigError, load_config
+from ray_forge.grpo_config import JobConfig
+
+CONFIGS = Path(__file__).parent.parent / "jobs" / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    config = load_config(JobConfig, path)
+    assert config.grpo.games_per_step % config.grpo.group_size == 0
+
+
+def test_dotted_overrides_are_typed():
+    config = load_config(JobConfig, None, ["trainer.lr=3e-5", "grpo.group_size=4", "policy.resources.num_cpus=2",
+                                           "cluster.pool_labels={gpu: g1}", "run.keep_best=true"])
+    assert config.trainer.lr == 3e-5 and isinstance(config.trainer.lr, float)
+    assert config.grpo.group_size == 4
+    assert config.policy.resources.num_cpus == 2.0
+    assert config.cluster.pool_labels == {"gpu": "g1"}
+    assert config.run.keep_best is True
+    with pytest.raises(Exception):
+        config.trainer.lr = 1.0  # frozen
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.lrr=1e-5", "unknown config key 'trainer.lrr'"),
+        ("trainr.lr=1e-5", "unknown config key 'trainr'"),
+        ("grpo.group_size=four", "grpo.group_size: expected int"),
+        ("grpo.group_size=2.5", "grpo.group_size: expected int"),
+        ("run.keep_best=3", "run.keep_best: expected bool"),
+        ("grpo.token_aggregation=mean", "grpo.token_aggregation: 'mean' is not one of"),
+        ("policy.resources.pool=tpu", "policy.resources.pool"),
+        ("trainer.lr", "must look like section.key=value"),
+        ("trainer.lr.x=1", "trainer.lr: expected float"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_config(JobConfig, None, [override])
+
+
+def test_malformed_yaml_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(JobConfig, bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(JobConfig, bad)
+    bad.write_text("trainer: 3\n")
+    with pytest.raises(ConfigError, match="trainer: expected a mapping"):
+        load_config(JobConfig, bad)
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="multiple of grpo.group_size"):
+        load_config(JobConfig, None, ["grpo.group_size=3", "grpo.games_per_step=64"])

@@ -1,0 +1,127 @@
+"""GRPO maths against hand-computed values (no Ray)."""
+
+import math
+
+import pytest
+import torch
+
+from ray_forge.episode import Episode, Sample, Turn, episodes_to_samples, merge_identical
+from ray_forge.grpo import group_advantages, grpo_loss, k3_kl, token_logprobs_and_entropy
+
+
+def test_group_advantages_normalise_within_groups_and_drop_flat_groups():
+    rewards = torch.tensor([1.0, -1.0, 0.0, 0.0, 1.0, 1.0])
+    adv, keep = group_advantages(rewards, group_size=2)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0, 0.0, 0.0]), atol=1e-5)
+    assert keep.tolist() == [True, True, False, False, False, False]
+
+
+def test_group_advantages_three_way():
+    # mean 0, population std sqrt(2/3)
+    adv, keep = group_advantages(torch.tensor([1.0, 0.0, -1.0]), group_size=3)
+    s = math.sqrt(2 / 3)
+    assert torch.allclose(adv, torch.tensor([1 / s, 0.0, -1 / s]), atol=1e-5)
+    assert keep.all()
+
+
+def test_group_advantages_rejects_partial_group():
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(torch.zeros(6), group_size=4)
+
+
+def test_k3_kl_hand_values():
+    lp = torch.tensor([math.log(0.5)])
+    ref = torch.tensor([math.log(0.25)])
+    # r = ref/pi = 0.5: k3 = 0.5 - ln 0.5 - 1
+    assert torch.allclose(k3_kl(lp, ref), torch.tensor([0.5 - math.log(0.5) - 1]), atol=1e-6)
+    assert k3_kl(lp, lp).item() == 0.0
+
+
+def test_loss_ratio_and_clipping_hand_values():
+    # Two sequences, one token each. Behaviour logprob log(0.5).
+    # seq 0: new prob 0.8 -> ratio 1.6, A=+1 -> clipped at 1.2 -> loss term -1.2
+    # seq 1: new prob 0.8 -> ratio 1.6, A=-1 -> min(-1.6, -1.2) = -1.6 -> term +1.6
+    lp = torch.log(torch.tensor([[0.8], [0.8]]))
+    blp = torch.log(torch.tensor([[0.5], [0.5]]))
+    terms = grpo_loss(lp, blp, torch.tensor([1.0, -1.0]), torch.ones(2, 1), clip_eps=0.2)
+    assert terms.loss.item() == pytest.approx((-1.2 + 1.6) / 2, abs=1e-6)
+    assert terms.clip_fraction.item() == pytest.approx(0.5)
+    assert terms.ratio_mean.item() == pytest.approx(1.6)
+
+
+def test_loss_gradient_is_importance_weighted():
+    # Unclipped region: d/dlp of -(exp(lp - blp) * A) = -ratio * A
+    lp = torch.log(torch.tensor([[0.55]])).requires_grad_()
+    blp = torch.log(torch.tensor([[0.5]]))
+    grpo_loss(lp, blp, torch.tensor([2.0]), torch.ones(1, 1), clip_eps=0.2).loss.backward()
+    assert lp.grad.item() == pytest.approx(-1.1 * 2.0, rel=1e-5)
+
+
+def test_token_aggregations():
+    # seq 0 has 2 tokens, seq 1 has 1 token; on-policy (ratio 1), A = [1, 3].
+    lp = torch.zeros(2, 2)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, 3.0])
+    per = dict(
+        **{"token-mean": -(1 + 1 + 3) / 3},
+        **{"seq-mean-token-sum": -(2 + 3) / 2},
+        **{"seq-mean-token-mean": -(1 + 3) / 2},
+    )
+    for mode, expected in per.items():
+        got = grpo_loss(lp, lp, adv, mask, clip_eps=0.2, aggregation=mode).loss.item()
+        assert got == pytest.approx(expected), mode
+
+
+def test_kl_and_entropy_terms():
+    lp = torch.log(torch.tensor([[0.5]]))
+    ref = torch.log(torch.tensor([[0.25]]))
+    ent = torch.tensor([[0.7]])
+    terms = grpo_loss(lp, lp, torch.tensor([0.0]), torch.ones(1, 1), clip_eps=0.2,
+                      ref_logprobs_BT=ref, kl_coef=0.1, entropy_BT=ent, entropy_coef=0.01)
+    kl = 0.5 - math.log(0.5) - 1
+    assert terms.loss.item() == pytest.approx(0.1 * kl - 0.01 * 0.7, abs=1e-6)
+    assert terms.kl.item() == pytest.approx(kl, abs=1e-6)
+
+
+def test_restricted_logprobs_renormalise_over_allowed_tokens():
+    logits = torch.tensor([[[0.0, math.log(3.0), 5.0]]])  # token 2 is excluded
+    lp, ent = token_logprobs_and_entropy(logits, torch.tensor([[1]]), allowed_ids=torch.tensor([0, 1]))
+    assert lp.item() == pytest.approx(math.log(0.75), abs=1e-6)
+    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+
+
+def _sample(tokens, adv, version=0):
+    return Sample(token_ids=tokens, prompt_len=2, behaviour_logprobs=(-0.7,), advantage=adv, policy_version=version)
+
+
+def test_merge_identical_keeps_loss_and_gradient_exact():
+    samples = [_sample((1, 2, 3), 0.5), _sample((1, 2, 3), 1.5), _sample((1, 2, 3), -2.0),
+               _sample((1, 2, 4), 1.0), _sample((1, 2, 3), 0.7, version=1)]
+    merged = merge_identical(samples)
+    assert len(merged) == 4
+    assert sorted((m.token_ids, m.advantage, m.weight) for m in merged if m.policy_version == 0) == [
+        ((1, 2, 3), -2.0, 1.0), ((1, 2, 3), 2.0, 2.0), ((1, 2, 4), 1.0, 1.0)]
+
+    def loss_and_grad(rows):
+        logit = torch.tensor(0.3, requires_grad=True)
+        lp = torch.stack([logit * (1 + r.token_ids[-1]) - 1.0 for r in rows])[:, None]
+        blp = torch.tensor([[r.behaviour_logprobs[0]] for r in rows])
+        ent = (lp.exp() * 0.1)
+        terms = grpo_loss(lp, blp, torch.tensor([r.advantage for r in rows]), torch.ones(len(rows), 1),
+                          clip_eps=0.2, weights_B=torch.tensor([r.weight for r in rows]),
+                          entropy_BT=ent, entropy_coef=0.05, ref_logprobs_BT=blp, kl_coef=0.1)
+        terms.loss.backward()
+        return terms.loss.item(), logit.grad.item()
+
+    full = loss_and_grad(samples)
+    assert loss_and_grad(merged) == pytest.approx(full, rel=1e-6)
+    assert full[1] != 0.0
+
+
+def test_episodes_to_samples_credit_every_turn_with_the_game_advantage():
+    turns = (Turn((1, 2), (7,), (-0.1,), 3), Turn((1, 5), (8,), (-0.2,), 4))
+    ep = Episode(group_id=0, seed=1, turns=turns, reward=1.0)
+    assert ep.policy_version == 3
+    samples = episodes_to_samples([ep], [0.5])
+    assert [(s.token_ids, s.prompt_len, s.advantage, s.policy_version) for s in samples] == [
+        ((1, 2, 7), 2, 0.5, 3), ((1, 5, 8), 2, 0.5, 4)]
