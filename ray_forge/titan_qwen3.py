@@ -1,0 +1,102 @@
+"""TorchTitan's Qwen3 built from a local Hugging Face folder, sharded with FSDP2, exported in HF naming."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ray_forge import titan_cpu
+
+_LINEAR_INIT = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+_NORM_INIT = {"weight": nn.init.ones_}
+_EMBED_INIT = {"weight": partial(nn.init.normal_, std=0.02)}
+
+
+def qwen3_config(hf_dir: str | Path, device_type: str = "cpu"):
+    """TorchTitan ``Qwen3Model.Config`` with the shape of the HF ``config.json``."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.qwen3 import Qwen3Model, Qwen3TransformerBlock
+
+    hf = json.loads((Path(hf_dir) / "config.json").read_text())
+    dim, num_heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or dim // num_heads
+    eps = hf.get("rms_norm_eps", 1e-6)
+    rope_params = hf.get("rope_parameters") or {}
+    if rope_params.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise ValueError(f"{hf_dir}: only default RoPE is supported, got {rope_params or hf.get('rope_scaling')}")
+    if hf.get("attention_bias") or hf.get("use_sliding_window"):
+        raise ValueError(f"{hf_dir}: attention bias and sliding windows are not supported")
+    theta = rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))
+
+    def norm(size: int):
+        return RMSNorm.Config(normalized_shape=size, eps=eps, param_init=_NORM_INIT)
+
+    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=theta)
+    block = Qwen3TransformerBlock.Config(
+        attention_norm=norm(dim),
+        ffn_norm=norm(dim),
+        attention=make_gqa_config(
+            dim=dim, n_heads=num_heads, n_kv_heads=hf["num_key_value_heads"], head_dim=head_dim,
+            wqkv_param_init=_LINEAR_INIT, wo_param_init=_LINEAR_INIT,
+            inner_attention=titan_cpu.inner_attention_config(device_type),
+            fuse_qkv=True, rope=rope, qk_norm=norm(head_dim),
+        ),
+        feed_forward=make_ffn_config(dim=dim, hidden_dim=hf["intermediate_size"],
+                                     w1_param_init=_LINEAR_INIT, w2w3_param_init=_LINEAR_INIT),
+    )
+    vocab = hf["vocab_size"]
+    return Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=norm(dim),
+        enable_weight_tying=bool(hf.get("tie_word_embeddings", False)),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBED_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=[block for _ in range(hf["num_hidden_layers"])],
+    )
+
+
+def build_qwen3(hf_dir: str | Path, device_type: str = "cpu"):
+    """(model, state_dict_adapter) with the folder's weights loaded, unsharded, in float32."""
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+
+    config = qwen3_config(hf_dir, device_type)
+    model = config.build()
+    adapter = Qwen3StateDictAdapter(config, None)
+    hf_state = {}
+    for shard in sorted(Path(hf_dir).glob("*.safetensors")):
+        hf_state.update(load_file(shard))
+    model.load_state_dict(adapter.from_hf({k: v.float() for k, v in hf_state.items()}), strict=True)
+    return model.to(device_type), adapter
+
+
+def shard_fsdp2(model: nn.Module, world_size: int, device_type: str) -> nn.Module:
+    """FSDP2 over all ranks through TorchTitan's ``parallelize_qwen3`` (fp32 params and reductions)."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    titan_cpu.prepare_distributed(device_type)
+    parallelism = ParallelismConfig(data_parallel_shard_degree=world_size, spmd_backend="partial_dtensor")
+    dims = ParallelDims.from_config(parallelism, world_size)
+    model = parallelize_qwen3(
+        model, parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+        parallelism=parallelism, compile_config=CompileConfig(enable=False), ac_config=None,
+        dump_folder="/tmp/ray_forge_titan",
+    )
+    titan_cpu.use_sum_reductions(model, device_type)
+    return model
+
+
+def full_hf_state_dict(model: nn.Module, adapter) -> dict[str, torch.Tensor]:
+    """Gather shards (a collective: every rank calls it) and rename to HF keys for vLLM."""
+    # DCP's get_model_state_dict fails on TorchTitan's fused QKV, so gather DTensors directly.
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    return {k: v.detach().contiguous().cpu() for k, v in adapter.to_hf(state).items()}

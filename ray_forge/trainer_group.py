@@ -1,0 +1,55 @@
+"""Drives the trainer ranks as one: fan a batch out, combine their statistics, export weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray_forge.episode import Sample
+from ray_forge.remote import call, get
+
+_TOKEN_WEIGHTED = ("clip_fraction", "kl", "entropy", "ratio_mean")
+
+
+class TrainerGroup:
+    """Takes the rank actor handles (rank 0 first) as parameters; holds no model itself."""
+
+    def __init__(self, ranks: list, timeout_s: float) -> None:
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+
+    def setup(self) -> int:
+        """Rendezvous at rank 0's address and shard the model; returns the parameter count."""
+        addr, port = get(self.ranks[0].rendezvous_address.remote(), timeout_s=60, what="trainer-0.rendezvous_address")
+        counts = get([r.setup.remote(addr, port) for r in self.ranks], timeout_s=self.timeout_s, what="trainer.setup")
+        return counts[0]
+
+    async def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """Every rank sees the whole batch and trains on its share of rows."""
+        per_rank = await self._all("train_step", lambda rank: (samples,))
+        return combine_rank_stats(per_rank)
+
+    async def export_hf(self, out_dir: str) -> str:
+        """All ranks gather the full weights; rank 0 writes them."""
+        paths = await self._all("export_hf", lambda rank: (out_dir if rank == 0 else None,))
+        return paths[0]
+
+    async def _all(self, method: str, args_for_rank) -> list:
+        refs = [getattr(r, method).remote(*args_for_rank(i)) for i, r in enumerate(self.ranks)]
+        return await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what=f"trainer-{i}.{method}")
+                                      for i, ref in enumerate(refs)))
+
+    def shutdown(self) -> None:
+        try:
+            get([r.shutdown.remote() for r in self.ranks], timeout_s=30, what="trainer.shutdown")
+        except Exception:  # a dead rank cannot be shut down politely; the actor is killed anyway
+            pass
+
+
+def combine_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Loss shares add up (each rank divides by the global normaliser); other statistics are
+    token-weighted means; grad norm, lr and version are the same on every rank."""
+    num_tokens = sum(s["num_tokens"] for s in per_rank) or 1.0
+    stats = {k: sum(s[k] for s in per_rank) / num_tokens for k in _TOKEN_WEIGHTED}
+    stats.update(loss=sum(s["loss"] for s in per_rank), num_tokens=num_tokens,
+                 grad_norm=per_rank[0]["grad_norm"], lr=per_rank[0]["lr"], version=per_rank[0]["version"])
+    return stats

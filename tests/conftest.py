@@ -1,0 +1,39 @@
+"""Shared fixtures. Ray tests share one local cluster with an explicit CPU count."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A 2-CPU local Ray cluster for the whole session, shut down at the end."""
+    import ray
+
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, object_store_memory=512 * 2**20,
+             namespace="ray_forge_tests", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen3 with the BlackJack tokenizer, made once per session."""
+    from envs.blackjack import BlackjackTextEnv
+    from ray_forge.grpo_config import TinyModelConfig
+    from ray_forge.models import make_tiny_qwen3
+
+    folder = tmp_path_factory.mktemp("models") / "tiny_qwen3"
+    return str(make_tiny_qwen3(folder, BlackjackTextEnv.corpus(),
+                               TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32)))
