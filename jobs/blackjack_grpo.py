@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
                        best_exact_return=best.get("exact_return"), best_step=best.get("step"))
         (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
         log.info("final policy: %s", run_dir / "final_policy")
-        print(json.dumps(summary))
+        print(json.dumps({k: v for k, v in summary.items() if k != "decisions"}))
         return summary
     finally:
         if actors is not None:

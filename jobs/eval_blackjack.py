@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         policy.shutdown()
     result["policy"] = model_dir
-    print(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "decisions"}))
     return result
 
 

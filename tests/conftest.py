@@ -22,7 +22,7 @@ def ray_cluster():
 
     ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, object_store_memory=512 * 2**20,
              namespace="ray_forge_tests", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
     yield ray
     ray.shutdown()
 

@@ -42,10 +42,17 @@ def monte_carlo_return(table: DecisionTable, num_games: int, seed: int = 10**9) 
     return float(rewards.mean()), float(rewards.std() / np.sqrt(max(1, num_games)))
 
 
-def evaluate(decide: Decide, mc_games: int = 0) -> dict[str, float]:
+def state_key(state) -> str:
+    """'14/10/hard': player sum / dealer card (1 = ace) / hard or soft."""
+    return f"{state.player_sum}/{state.dealer_card}/{'soft' if state.usable_ace else 'hard'}"
+
+
+def evaluate(decide: Decide, mc_games: int = 0) -> dict:
+    """exact_return, agreement, invalid answers, the decision table (1 = HIT), optionally mc_return."""
     table, num_invalid = decision_table(decide)
     result = dict(exact_return=evaluate_table(table), agreement=agreement(table, optimal_table()),
-                  invalid_answers=num_invalid, hit_states=int(sum(table.values())))
+                  invalid_answers=num_invalid, hit_states=int(sum(table.values())),
+                  decisions={state_key(s): int(h) for s, h in table.items()})
     if mc_games:
         result["mc_return"], result["mc_stderr"] = monte_carlo_return(table, mc_games)
     return result

@@ -1,0 +1,100 @@
+"""The real BlackJack job, short: vLLM + TorchTitan + reference + weight push, end to end, then the eval job."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
+
+ROOT = Path(__file__).resolve().parent.parent
+SHORT = ["run.steps=3", "run.eval_every=3", "run.eval_mc_games=500", "grpo.games_per_step=64",
+         "grpo.group_size=8", "grpo.kl_coef=0.05", "trainer.lr=1e-3", "run.progress=false",
+         "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
+         "cluster.include_dashboard=false", "policy.kv_cache_mb=64"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(ray_cluster, tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "jobs"))
+    import blackjack_grpo
+
+    out = tmp_path_factory.mktemp("runs")
+    summary = blackjack_grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"),
+                                   f"run.output_dir={out}", *SHORT])
+    return summary, Path(summary["run_dir"])
+
+
+def test_job_writes_metrics_and_a_final_policy(finished_run):
+    summary, run_dir = finished_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("wall_time_s", "train_reward", "loss", "kl", "policy_lag", "tokens_per_s", "step_time_s",
+                "weight_sync_s", "grad_norm", "clip_fraction", "entropy"):
+        assert all(key in r for r in rows), key
+    assert "eval_return" in rows[-1] and -1.0 <= rows[-1]["eval_return"] <= 1.0
+    assert any(r["kl"] > 0 for r in rows[1:])  # the reference actor ran and the policy moved away from it
+    assert rows[-1]["version"] == 3
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        assert (run_dir / "final_policy" / name).is_file(), name
+    assert set(summary) >= {"exact_return", "mc_return", "agreement"}
+    assert (run_dir / "config.yaml").read_text().count("kl_coef: 0.05") == 1
+
+
+def test_policy_weights_changed_and_vllm_matches_the_trainer(finished_run):
+    """final_policy holds the trainer's weights; the final evaluation asked vLLM (after the last
+    sync) for its greedy action in all 360 states. Both must agree everywhere."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from envs.blackjack import render_state
+    from envs.blackjack.exact import all_states
+    from envs.blackjack.policy_eval import state_key
+
+    summary, run_dir = finished_run
+    final = load_file(str(run_dir / "final_policy" / "model.safetensors"))
+    initial = load_file(str(run_dir / "initial_model" / "model.safetensors"))
+    assert set(final) == set(initial)
+    assert any(not torch.equal(final[k], initial[k]) for k in final)
+
+    decisions = json.loads((run_dir / "eval.json").read_text())["decisions"]
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final_policy")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final_policy")
+    hit, stick = tokenizer.convert_tokens_to_ids(["HIT", "STICK"])
+    states = all_states()
+    ids = torch.tensor([tokenizer.encode(render_state(s), add_special_tokens=False) for s in states])
+    with torch.no_grad():
+        last = model(ids).logits[:, -1]
+    trainer_hits = (last[:, hit] > last[:, stick]).tolist()
+    assert [decisions[state_key(s)] for s in states] == [int(h) for h in trainer_hits]
+
+
+def test_eval_job_prints_json_last_line(finished_run):
+    summary, run_dir = finished_run
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs/eval_blackjack.py"), "--policy",
+                           str(run_dir / "final_policy"), "--mc-games", "2000"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) >= {"exact_return", "mc_return", "agreement"}
+    assert result["exact_return"] == pytest.approx(summary["exact_return"], abs=1e-9)
+    assert abs(result["mc_return"] - result["exact_return"]) < 5 * result["mc_stderr"] + 1e-3
+
+
+def test_missing_model_path_fails_fast_with_the_path(tmp_path):
+    import blackjack_grpo
+
+    from ray_forge.models import ModelError
+
+    with pytest.raises(ModelError, match="does not exist"):
+        blackjack_grpo.main([f"run.output_dir={tmp_path}", f"model.path={tmp_path / 'missing'}"])
+
+
+def test_bad_override_fails_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs/blackjack_grpo.py"), "trainer.lrr=1"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "unknown config key 'trainer.lrr'" in proc.stderr

@@ -1,0 +1,106 @@
+"""Placement pools, env actors driven by the rollout, and remote-call failures, on a local Ray cluster."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from ray_forge.actors.env_pool import EnvPoolActor
+from ray_forge.cluster import PlacementError, Pools
+from ray_forge.grpo_config import ClusterConfig, Resources
+from ray_forge.remote import RemoteCallError, call
+from ray_forge.rollout import Completion, RolloutSettings, play_groups
+
+pytestmark = pytest.mark.ray
+
+
+class ScriptedPolicy:
+    """A typed stand-in for the vLLM actor: answers by a fixed rule (the real engine is tested elsewhere)."""
+
+    def __init__(self, answer_for_sum):
+        self.answer_for_sum = answer_for_sum
+
+    def generate(self, prompts: list[str], greedy: bool = False) -> list[Completion]:
+        out = []
+        for p in prompts:
+            player_sum = int(p.split()[3].rstrip(","))
+            out.append(Completion((1, 2, player_sum), (9,), (-0.5,), self.answer_for_sum(player_sum), 7))
+        return out
+
+
+def test_pools_place_named_actors_in_bundles(ray_cluster):
+    roles = {"policy": [Resources(pool="gpu", num_cpus=0.5)], "env": [Resources(pool="cpu", num_cpus=0.25)] * 2}
+    pools = Pools(ClusterConfig(placement_timeout_s=30), roles)
+    try:
+        envs = [EnvPoolActor.options(**slot.options(f"env-pooltest-{i}")).remote("blackjack")
+                for i, slot in enumerate(pools.slots["env"])]
+        assert ray.get([e.node_id.remote() for e in envs], timeout=60)
+        assert ray.get_actor("env-pooltest-1") is not None
+        table = ray.util.placement_group_table()
+        names = {v["name"]: v for v in table.values() if v["state"] == "CREATED"}
+        assert names["ray_forge-cpu"]["bundles"] == {0: {"CPU": 0.25}, 1: {"CPU": 0.25}}
+        assert names["ray_forge-gpu"]["bundles"] == {0: {"CPU": 0.5}}
+        for e in envs:
+            ray.kill(e)
+    finally:
+        pools.release()
+
+
+def test_unplaceable_pool_fails_with_a_clear_error(ray_cluster):
+    start = time.monotonic()
+    config = ClusterConfig(placement_timeout_s=2, pool_labels={"gpu": "gpu-nodes"})
+    with pytest.raises(PlacementError, match="ray_forge/pool=gpu-nodes"):
+        Pools(config, {"trainer": [Resources(pool="gpu", num_cpus=1.0)]})
+    with pytest.raises(PlacementError, match="pool 'gpu' needs"):
+        Pools(ClusterConfig(placement_timeout_s=2), {"trainer": [Resources(pool="gpu", num_cpus=64.0)]})
+    assert time.monotonic() - start < 30
+
+
+def test_rollout_plays_grouped_games_on_env_actors(ray_cluster):
+    policy = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "HIT" if s < 12 else "STICK")
+    env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
+    settings = RolloutSettings(group_size=4, max_turns=10, invalid_action_penalty=-1.0,
+                               policy_timeout_s=30, env_timeout_s=30)
+    groups = asyncio.run(play_groups(policy, "policy", env, "env", [(0, 11), (1, 12)], settings))
+    assert [len(g) for g in groups] == [4, 4]
+    for group in groups:
+        # Same seed and a deterministic policy: identical games within the group.
+        assert len({(e.reward, len(e.turns)) for e in group}) == 1
+        for e in group:
+            assert e.error is None and e.policy_version == 7
+            assert all(t.prompt_ids[-1] < 12 for t in e.turns[:-1])  # hit only below 12
+    ray.kill(policy)
+    ray.kill(env)
+
+
+def test_garbage_actions_and_endless_games_are_penalised(ray_cluster):
+    env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
+    settings = RolloutSettings(group_size=2, max_turns=3, invalid_action_penalty=-2.0,
+                               policy_timeout_s=30, env_timeout_s=30)
+    garbage = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "<unk> 7 ,")
+    [group] = asyncio.run(play_groups(garbage, "policy", env, "env", [(0, 3)], settings))
+    assert all(e.error == "invalid action" and e.reward == -1.0 for e in group)
+    ray.kill(garbage)
+
+
+def test_dead_actor_is_named_in_the_error(ray_cluster):
+    env = EnvPoolActor.options(num_cpus=0).remote("blackjack")
+    ray.get(env.get_action_words.remote())
+    ray.kill(env)
+    start = time.monotonic()
+    with pytest.raises(RemoteCallError, match="env-7.reset failed: the actor died"):
+        asyncio.run(call(env.reset.remote(0, [1]), timeout_s=20, what="env-7.reset"))
+    assert time.monotonic() - start < 20
+
+
+def test_slow_actor_times_out_with_its_name(ray_cluster):
+    @ray.remote(num_cpus=0)
+    class Sleeper:
+        def wait(self, s):
+            time.sleep(s)
+
+    sleeper = Sleeper.remote()
+    with pytest.raises(RemoteCallError, match="policy-3.generate did not answer within 1s"):
+        asyncio.run(call(sleeper.wait.remote(30), timeout_s=1, what="policy-3.generate"))
+    ray.kill(sleeper)
