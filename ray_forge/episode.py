@@ -7,13 +7,17 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Turn:
-    """One decision: the prompt the policy saw, what it generated, and with which weights."""
+    """One decision: the prompt the policy saw, what it generated, and with which weights.
+
+    The policy returns one per prompt; a game keeps one per move."""
 
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     """Behaviour logprob of each response token, as reported by the engine."""
     policy_version: int
+    text: str = ""
+    """The decoded response (what the env parsed)."""
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,6 @@ from ray_forge.remote import call
 
 
 @dataclass(frozen=True)
-class Completion:
-    """What the policy returns for one prompt."""
-
-    prompt_ids: tuple[int, ...]
-    response_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    text: str
-    policy_version: int
-
-
-@dataclass(frozen=True)
 class RolloutSettings:
     group_size: int
     max_turns: int
@@ -50,15 +39,14 @@ async def play_groups(policy, policy_name: str, env_pool, env_name: str, groups:
     for _ in range(settings.max_turns):
         if not active:
             break
-        completions: list[Completion] = await call(
+        completions: list[Turn] = await call(
             policy.generate.remote([observations[i] for i in active]),
             timeout_s=settings.policy_timeout_s, what=f"{policy_name}.generate")
         results = await call(env_pool.step.remote(key, active, [c.text for c in completions]),
                              timeout_s=settings.env_timeout_s, what=f"{env_name}.step")
         still_active = []
         for slot, completion, result in zip(active, completions, results, strict=True):
-            turns[slot].append(Turn(completion.prompt_ids, completion.response_ids, completion.logprobs,
-                                    completion.policy_version))
+            turns[slot].append(completion)
             rewards[slot] += result.reward
             if result.done:
                 errors[slot] = result.info.get("error")

@@ -10,7 +10,8 @@ from ray_forge.actors.env_pool import EnvPoolActor
 from ray_forge.cluster import PlacementError, Pools
 from ray_forge.grpo_config import ClusterConfig, Resources
 from ray_forge.remote import RemoteCallError, call
-from ray_forge.rollout import Completion, RolloutSettings, play_groups
+from ray_forge.episode import Turn
+from ray_forge.rollout import RolloutSettings, play_groups
 
 pytestmark = pytest.mark.ray
 
@@ -21,11 +22,11 @@ class ScriptedPolicy:
     def __init__(self, answer_for_sum):
         self.answer_for_sum = answer_for_sum
 
-    def generate(self, prompts: list[str], greedy: bool = False) -> list[Completion]:
+    def generate(self, prompts: list[str], greedy: bool = False) -> list[Turn]:
         out = []
         for p in prompts:
             player_sum = int(p.split()[3].rstrip(","))
-            out.append(Completion((1, 2, player_sum), (9,), (-0.5,), self.answer_for_sum(player_sum), 7))
+            out.append(Turn((1, 2, player_sum), (9,), (-0.5,), 7, self.answer_for_sum(player_sum)))
         return out
 
 

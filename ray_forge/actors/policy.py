@@ -10,25 +10,22 @@ from collections import Counter
 import ray
 
 from ray_forge.grpo_config import PolicyConfig
-from ray_forge.rollout import Completion
+from ray_forge.episode import Turn
 
 log = logging.getLogger(__name__)
 
 
 def action_token_ids(tokenizer, words: tuple[str, ...]) -> list[int]:
-    """First token of each action word, bare and after a space (BPE vocabularies differ)."""
+    """The token of each action word, bare or after a space; each word must be one token,
+    otherwise a one-token restricted sample could not spell it."""
     ids: set[int] = set()
-    firsts = []
     for word in words:
-        for text in (word, " " + word):
-            tokens = tokenizer.encode(text, add_special_tokens=False)
-            if tokens:
-                ids.add(tokens[0])
-                if text == word:
-                    firsts.append(tokens[0])
-    if len(set(firsts)) != len(words):
-        raise ValueError(f"action words {words} do not start with distinct tokens; "
-                         "set policy.constrain_to_actions=false for this tokenizer")
+        singles = [t for text in (word, " " + word)
+                   if len(t := tokenizer.encode(text, add_special_tokens=False)) == 1]
+        if not singles:
+            raise ValueError(f"action word {word!r} is not a single token of this tokenizer; "
+                             "set policy.constrain_to_actions=false (and policy.max_tokens > 1)")
+        ids.update(t[0] for t in singles)
     return sorted(ids)
 
 
@@ -69,7 +66,7 @@ class VLLMPolicy:
     def get_allowed_token_ids(self) -> list[int] | None:
         return self.allowed_ids
 
-    def generate(self, prompts: list[str], greedy: bool = False) -> list[Completion]:
+    def generate(self, prompts: list[str], greedy: bool = False) -> list[Turn]:
         """One completion per prompt, in order. Identical prompts become one request with
         ``n`` samples, so the engine encodes each distinct prompt once."""
         from vllm import SamplingParams
@@ -88,11 +85,11 @@ class VLLMPolicy:
             for p in unique
         ]
         outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
-        pools: dict[str, list[Completion]] = {}
+        pools: dict[str, list[Turn]] = {}
         for prompt, request in zip(unique, outputs, strict=True):
             prompt_ids = tuple(request.prompt_token_ids)
             pools[prompt] = [
-                Completion(
+                Turn(
                     prompt_ids=prompt_ids,
                     response_ids=tuple(sample.token_ids),
                     logprobs=tuple(step[tok].logprob for step, tok in zip(sample.logprobs, sample.token_ids)),
