@@ -1,0 +1,33 @@
+"""Metrics log and the learning-curve table (no Ray)."""
+
+import json
+import sys
+from pathlib import Path
+
+from ray_forge.metrics import MetricsLog, read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
+
+
+def test_metrics_rows_are_flushed_and_readable(tmp_path):
+    log = MetricsLog(tmp_path, total_steps=2, progress=False)
+    log.log(1, train_reward=-0.3, num_games=64, loss=float("nan"))
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["loss"] is None  # NaN becomes null, still valid JSON
+    log.log(2, train_reward=-0.2, num_games=64, eval_return=-0.1, eval_agreement=0.6)
+    log.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["wall_time_s"] >= rows[0]["wall_time_s"]
+
+
+def test_learning_curve_table(tmp_path):
+    import learning_curve
+
+    log = MetricsLog(tmp_path, total_steps=2, progress=False)
+    log.log(1, num_games=64)
+    log.log(2, num_games=64, eval_return=-0.0612, eval_agreement=0.9)
+    log.close()
+    (tmp_path / "eval.json").write_text(json.dumps(dict(exact_return=-0.06, mc_return=-0.05, mc_stderr=0.01,
+                                                         agreement=0.9)))
+    table = learning_curve.curve_table(tmp_path)
+    assert "| 2 | 128 | 0:00 | -0.0612 | 0.900 |" in table
+    assert "exact return **-0.0600**" in table
