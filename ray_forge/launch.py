@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 # Actors read no secrets and download nothing: models are local folders.
 # vLLM logs every weight reload at INFO; keep `ray job logs` readable.
 _OFFLINE_ENV = {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                             "VLLM_LOGGING_LEVEL": "ERROR", "TQDM_DISABLE": "1"}}
+                             "VLLM_LOGGING_LEVEL": "ERROR"}}
 
 
 @dataclass

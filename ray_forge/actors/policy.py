@@ -53,6 +53,7 @@ class VLLMPolicy:
             distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else None,
             kv_cache_memory_bytes=config.kv_cache_mb * 2**20,
             enable_prefix_caching=True,
+            use_tqdm_on_load=False,  # a bar per weight reload would flood `ray job logs`
             # Report logprobs of the distribution actually sampled from (after the action
             # restriction and temperature), so the trainer's importance ratio is exact.
             logprobs_mode="processed_logprobs",
