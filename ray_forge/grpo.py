@@ -117,14 +117,16 @@ def grpo_loss(
 
 
 def token_logprobs_and_entropy(
-    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, allowed_ids: torch.Tensor | None = None
+    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, allowed_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token and the entropy of the distribution it came from.
 
-    With ``allowed_ids`` the distribution is renormalised over those tokens only, matching an
-    engine that sampled from that restricted set; targets outside it get -inf.
+    The distribution is the one the engine sampled from: logits divided by the sampling
+    ``temperature`` and, with ``allowed_ids``, renormalised over those tokens only (targets
+    outside get -inf). Anything else would make the importance ratio wrong.
     """
-    logits_BTV = logits_BTV.float()
+    logits_BTV = logits_BTV.float() / (temperature if temperature > 0 else 1.0)
     if allowed_ids is not None:
         restricted_BTV = torch.full_like(logits_BTV, float("-inf"))
         restricted_BTV[..., allowed_ids] = logits_BTV[..., allowed_ids]

@@ -96,7 +96,7 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store: DirWeightS
         TrainerActor.options(**slot.options(f"trainer-{r}"), runtime_env=_OFFLINE_ENV).remote(
             model_dir=model_dir, trainer=config.trainer, grpo=config.grpo, total_steps=config.run.steps,
             rank=r, world_size=config.trainer.num_ranks, allowed_token_ids=allowed,
-            num_threads=_threads(slot.resources.num_cpus))
+            temperature=config.policy.temperature, num_threads=_threads(slot.resources.num_cpus))
         for r, slot in enumerate(slots["trainer"])
     ]
     handles += ranks
@@ -104,7 +104,8 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store: DirWeightS
     if kl:
         slot = slots["reference"][0]
         reference = ReferenceActor.options(**slot.options("ref"), runtime_env=_OFFLINE_ENV).remote(
-            model_dir=model_dir, allowed_token_ids=allowed, num_threads=_threads(slot.resources.num_cpus),
+            model_dir=model_dir, allowed_token_ids=allowed, temperature=config.policy.temperature,
+            num_threads=_threads(slot.resources.num_cpus),
             micro_batch_size=config.trainer.micro_batch_size)
     buffer = BufferActor.options(name="buffer", num_cpus=0).remote(
         max_policy_lag=config.buffer.max_policy_lag, max_uses=config.buffer.max_uses,

@@ -125,3 +125,10 @@ def test_episodes_to_samples_credit_every_turn_with_the_game_advantage():
     samples = episodes_to_samples([ep], [0.5])
     assert [(s.token_ids, s.prompt_len, s.advantage, s.policy_version) for s in samples] == [
         ((1, 2, 7), 2, 0.5, 3), ((1, 5, 8), 2, 0.5, 4)]
+
+
+def test_logprobs_follow_the_sampling_temperature():
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])
+    lp, _ = token_logprobs_and_entropy(logits, torch.tensor([[1]]), temperature=2.0)
+    # softmax([0, ln3]/2) = [1, sqrt 3] / (1 + sqrt 3)
+    assert lp.item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)

@@ -14,14 +14,15 @@ from ray_forge.titan_qwen3 import build_qwen3
 class ReferenceModel:
     """TorchTitan's Qwen3 with the starting weights, forward only, no sharding."""
 
-    def __init__(self, *, model_dir: str, allowed_token_ids: list[int] | None, num_threads: int = 1,
-                 micro_batch_size: int = 4096) -> None:
+    def __init__(self, *, model_dir: str, allowed_token_ids: list[int] | None, temperature: float = 1.0,
+                 num_threads: int = 1, micro_batch_size: int = 4096) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, _ = build_qwen3(model_dir, self.device)
         self.model.eval()
         self.allowed = torch.tensor(allowed_token_ids) if allowed_token_ids else None
         self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[tuple[float, ...]]:
@@ -30,7 +31,8 @@ class ReferenceModel:
         for start in range(0, len(samples), self.micro_batch_size):
             batch = collate(samples[start:start + self.micro_batch_size]).to(self.device)
             logits_BTV = self.model(batch.inputs_BT)
-            logprobs_BT, _ = token_logprobs_and_entropy(logits_BTV, batch.targets_BT, self.allowed)
+            logprobs_BT, _ = token_logprobs_and_entropy(logits_BTV, batch.targets_BT, self.allowed,
+                                                        self.temperature)
             out.extend(response_logprobs(batch.to("cpu"), logprobs_BT.cpu()))
         return out
 

@@ -46,10 +46,12 @@ class TitanTrainer:
     the whole batch and uses its rank's rows; ``export_hf`` gathers full weights (all ranks)."""
 
     def __init__(self, *, model_dir: str, trainer: TrainerConfig, grpo: GRPOConfig, total_steps: int,
-                 rank: int, world_size: int, allowed_token_ids: list[int] | None, num_threads: int = 1) -> None:
+                 rank: int, world_size: int, allowed_token_ids: list[int] | None, temperature: float = 1.0,
+                 num_threads: int = 1) -> None:
         self.model_dir, self.cfg, self.grpo = model_dir, trainer, grpo
         self.total_steps, self.rank, self.world_size = total_steps, rank, world_size
         self.allowed = torch.tensor(allowed_token_ids) if allowed_token_ids else None
+        self.temperature = temperature
         self.device = device_type()
         self.version = 0
         torch.set_num_threads(max(1, num_threads))
@@ -103,7 +105,8 @@ class TitanTrainer:
 
     def _loss(self, micro: TensorBatch, normalizer: torch.Tensor):
         logits_BTV = self.model(micro.inputs_BT)
-        logprobs_BT, entropy_BT = token_logprobs_and_entropy(logits_BTV, micro.targets_BT, self.allowed)
+        logprobs_BT, entropy_BT = token_logprobs_and_entropy(logits_BTV, micro.targets_BT, self.allowed,
+                                                            self.temperature)
         # Padding rows and prompt positions are masked; keep their -inf/NaN out of the graph.
         logprobs_BT = torch.where(micro.mask_BT > 0, logprobs_BT, torch.zeros_like(logprobs_BT))
         return grpo_loss(
