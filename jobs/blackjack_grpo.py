@@ -99,21 +99,23 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState, rollou
     raise TimeoutError(f"no training batch within {config.policy.call_timeout_s:.0f}s")
 
 
-async def push_weights(actors: Actors, version: int) -> float:
+async def push_weights(config: JobConfig, actors: Actors, version: int) -> float:
     """Trainer writes version ``version`` to the store; every policy loads it in place."""
     start = time.monotonic()
     path = str(actors.store.path(version))
     await actors.trainer.export_hf(path)
-    await asyncio.gather(*(call(p.update_weights.remote(path, version), timeout_s=120, what=f"policy-{i}.update_weights")
+    await asyncio.gather(*(call(p.update_weights.remote(path, version), timeout_s=config.policy.call_timeout_s,
+                                what=f"policy-{i}.update_weights")
                            for i, p in enumerate(actors.policies)))
     actors.store.commit(version)
     return time.monotonic() - start
 
 
-def greedy_eval(policy, mc_games: int) -> dict:
+def greedy_eval(policy, mc_games: int, timeout_s: float) -> dict:
     """Exact return (and optionally Monte Carlo) of the policy's greedy decision table."""
     def decide(prompts: list[str]) -> list[str]:
-        return [c.text for c in get(policy.generate.remote(prompts, True), timeout_s=300, what="policy-0.generate")]
+        return [c.text for c in get(policy.generate.remote(prompts, True), timeout_s=timeout_s,
+                                    what="policy-0.generate")]
     return evaluate(decide, mc_games=mc_games)
 
 
@@ -135,11 +137,12 @@ async def train(config: JobConfig, actors: Actors, run_dir: Path) -> dict:
             train_stats = await actors.trainer.train_step(samples) if samples else {}
             policy_lag = state.trainer_version - batch_stats["sample_policy_version"]
             state.trainer_version = step
-            sync_s = await push_weights(actors, step)
+            sync_s = await push_weights(config, actors, step)
             row = dict(**batch_stats, **train_stats, policy_lag=policy_lag, weight_sync_s=sync_s,
                        tokens_per_s=state.generated_tokens / max(state.rollout_seconds, 1e-9))
             if config.run.eval_every and (step % config.run.eval_every == 0 or step == config.run.steps):
-                result = await loop.run_in_executor(None, greedy_eval, actors.policies[0], 0)
+                result = await loop.run_in_executor(None, greedy_eval, actors.policies[0], 0,
+                                                    config.policy.call_timeout_s)
                 row.update(eval_return=result["exact_return"], eval_agreement=result["agreement"])
                 if config.run.keep_best and result["exact_return"] > best.get("exact_return", float("-inf")):
                     best = dict(result, step=step)
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         actors = start_actors(config, model_dir, store)
         best = asyncio.run(train(config, actors, run_dir))
         asyncio.run(save_policy(actors, run_dir / "final_policy"))
-        final = greedy_eval(actors.policies[0], config.run.eval_mc_games)
+        final = greedy_eval(actors.policies[0], config.run.eval_mc_games, config.policy.call_timeout_s)
         summary = dict(final, run_dir=str(run_dir), steps=config.run.steps,
                        best_exact_return=best.get("exact_return"), best_step=best.get("step"))
         (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
