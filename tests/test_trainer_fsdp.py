@@ -62,6 +62,14 @@ def test_two_rank_fsdp_matches_one_rank(ray_cluster, tiny_model_dir, tmp_path):
     w1, w2 = load_file(str(path_one)), load_file(str(path_two))
     initial = load_file(f"{tiny_model_dir}/model.safetensors")
     assert set(w1) == set(w2) == set(initial)  # HF naming, every tensor
-    for key in w1:
-        torch.testing.assert_close(w1[key], w2[key], atol=1e-5, rtol=1e-4)
-    assert any(not torch.equal(w1[k], initial[k]) for k in w1)
+    # Adam moves a weight by about lr per step whatever the size of its gradient, so the few
+    # weights with a ~0 gradient can differ by up to ~lr between two reduction orders. Everything
+    # else must agree to float noise, far below what training changed.
+    diffs = torch.cat([(w1[k] - w2[k]).abs().flatten() for k in w1])
+    updates = torch.cat([(w1[k] - initial[k]).abs().flatten() for k in w1])
+    print(f"update mean {updates.mean():.3g}; shard difference mean {diffs.mean():.3g}, max {diffs.max():.3g}, "
+          f"{(diffs > 1e-5).sum().item()} of {diffs.numel()} above 1e-5")
+    assert updates.mean() > 1e-4  # it trained (3 AdamW steps at lr 1e-3)
+    assert diffs.mean() < 1e-4 * updates.mean()
+    assert (diffs > 1e-5).float().mean() < 1e-3
+    assert diffs.max() <= 3 * 1e-3  # never more than the 3 Adam steps could move a weight
