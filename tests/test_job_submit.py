@@ -26,6 +26,12 @@ def _free_port() -> int:
 def head_node(tmp_path):
     """A 2-CPU head node in its own process group (so stopping it cannot touch other clusters)."""
     gcs_port, dashboard_port = _free_port(), _free_port()
+    # Every port the head opens is chosen here: the session's own test cluster already holds
+    # Ray's defaults (the dashboard agent's 52365 among them), and an agent that cannot bind
+    # leaves the job server answering "No available agent" forever.
+    agent_ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+                   f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+                   f"--ray-client-server-port={_free_port()}"]
     # Ray 2.60 turns token auth on for `ray start` once ~/.ray/auth_token exists (any local
     # ray.init() writes one); the `ray job` CLI then needs the mode set too.
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token",
@@ -36,7 +42,7 @@ def head_node(tmp_path):
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=2",
          "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
          "--memory=6000000000", "--object-store-memory=500000000", f"--temp-dir={temp_dir}",
-         "--include-dashboard=true"],
+         "--include-dashboard=true", *agent_ports],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard_port}"
     try:
