@@ -128,10 +128,6 @@ class TitanTrainer:
         save_file(state, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
         return out_dir
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        state = full_hf_state_dict(self.model, self.adapter)
-        return state if self.rank == 0 else None
-
     def logits(self, token_ids: list[list[int]]) -> torch.Tensor:
         """Full-vocabulary logits of equal-length rows (for checks against the policy engine)."""
         with torch.no_grad():
