@@ -35,7 +35,6 @@ class Actors:
     reference: object | None
     store: DirWeightStore
     pools: Pools
-    allowed_token_ids: list[int] | None
     _all: list = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -114,7 +113,7 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store: DirWeightS
     trainer = TrainerGroup(ranks, config.trainer.call_timeout_s)
     num_params = trainer.setup()
     get([p.get_version.remote() for p in policies], timeout_s=config.policy.call_timeout_s, what="policies")
-    actors = Actors(policies, envs, buffer, trainer, reference, store, pools, allowed, handles)
+    actors = Actors(policies, envs, buffer, trainer, reference, store, pools, handles)
     log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s",
              len(policies), len(ranks), num_params / 1e6, len(envs), kl)
     return actors

@@ -148,21 +148,19 @@ def _slice(batch: TensorBatch, start: int, end: int) -> TensorBatch:
     return TensorBatch(**{k: v[start:end] if v is not None else None for k, v in batch.__dict__.items()})
 
 
+_NO_LOSS_FIELDS = ("mask_BT", "advantages_B", "weights_B")
+
+
 def _with_padding_row(batch: TensorBatch) -> TensorBatch:
     """Append a copy of row 0 with no loss, so this rank runs as many forwards as the others."""
-    def pad(value: torch.Tensor | None, zero: bool) -> torch.Tensor | None:
+    def pad(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
         if value is None:
             return None
         extra = value[:1].clone()
-        if zero:
+        if name in _NO_LOSS_FIELDS:
             extra.zero_()
         return torch.cat([value, extra])
-    return TensorBatch(
-        inputs_BT=pad(batch.inputs_BT, False), targets_BT=pad(batch.targets_BT, False),
-        mask_BT=pad(batch.mask_BT, True), behaviour_logprobs_BT=pad(batch.behaviour_logprobs_BT, False),
-        advantages_B=pad(batch.advantages_B, True), weights_B=pad(batch.weights_B, True),
-        ref_logprobs_BT=pad(batch.ref_logprobs_BT, False),
-    )
+    return TensorBatch(**{k: pad(k, v) for k, v in batch.__dict__.items()})
 
 
 TrainerActor = ray.remote(TitanTrainer)
