@@ -1,5 +1,10 @@
-"""Versioned weight store: the trainer puts a version, policies load it in place."""
+"""Versioned weight store: the trainer puts a version, every policy engine pulls it in place.
 
-from ray_forge.weights.dir_store import DirWeightStore
+Transports: ``shm`` (same node, the local default), ``object_store`` (across nodes), ``nccl``
+(GPU push through vLLM's weight-transfer API; untested without GPUs) and ``torchstore``.
+"""
 
-__all__ = ["DirWeightStore"]
+from ray_forge.weights.base import Manifest, StoreSpec, TransportUnavailable, WeightSyncError
+from ray_forge.weights.store import WeightStore, version_key
+
+__all__ = ["Manifest", "StoreSpec", "TransportUnavailable", "WeightStore", "WeightSyncError", "version_key"]

@@ -1,0 +1,63 @@
+"""Cross-node transport: each bucket is one numpy byte array in Ray's object store.
+
+Numpy arrays are stored without pickling and read zero-copy on the receiver's node, which is
+several times faster than ``ray.put`` of a dict of torch tensors. The sender owns the buckets
+and the controller borrows them through the manifest, so evicting the manifest frees them, and
+a dead sender makes a receiver's fetch fail at once (Ray reports the owner died).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Iterator
+
+import numpy as np
+import ray
+import torch
+
+from ray_forge.weights.base import Manifest, StoreSpec, WeightSyncError
+from ray_forge.weights.layout import Bucket, pack_into
+
+_LOST = (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError, ray.exceptions.ObjectFetchTimedOutError)
+
+
+def as_bytes(array: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over a (read-only) object-store buffer; readers only ever copy out of it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+class ObjectStoreTransport:
+    def __init__(self, spec: StoreSpec) -> None:
+        self.spec = spec
+
+    def write(self, version: int, buckets: list[Bucket], state_dict: dict[str, torch.Tensor]) -> tuple:
+        refs = []
+        for bucket in buckets:
+            array = np.empty(bucket.nbytes, dtype=np.uint8)
+            pack_into(bucket, state_dict, torch.from_numpy(array))
+            refs.append(ray.put(array))
+            del array  # the object store has its own copy; keep the sender's extra memory to one bucket
+        return tuple(refs)
+
+    def read(self, manifest: Manifest, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        refs = manifest.location
+        for i, bucket in enumerate(manifest.buckets):
+            if i + 1 < len(refs):  # start pulling the next bucket to this node while this one is used
+                ray.wait([refs[i + 1]], fetch_local=True, timeout=0)
+            yield bucket, as_bytes(self._get(manifest, refs[i], bucket, deadline))
+
+    def _get(self, manifest: Manifest, ref, bucket: Bucket, deadline: float) -> np.ndarray:
+        what = f"weights version {manifest.version} from {manifest.sender} (bucket {bucket.index})"
+        try:
+            return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise WeightSyncError(f"{what} did not arrive within the {self.spec.timeout_s:.0f}s timeout") from None
+        except _LOST as err:
+            raise WeightSyncError(f"{what} is lost: {manifest.sender} died or the object was evicted "
+                                  f"({err.__class__.__name__})") from err
+
+    def free(self, manifest: Manifest) -> None:
+        pass  # dropping the last manifest (the controller's) releases the buckets

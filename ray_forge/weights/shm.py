@@ -1,0 +1,85 @@
+"""Same-node transport: each bucket is a file in ``/dev/shm`` that receivers map, one at a time.
+
+The sender writes each bucket once (converting dtypes on the way); a receiver maps a bucket,
+copies or loads its tensors straight out of the mapping, and unmaps it before the next, so its
+extra memory stays within about one bucket.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import ray
+import torch
+
+from ray_forge.weights.base import Manifest, StoreSpec, WeightSyncError
+from ray_forge.weights.layout import Bucket, pack_into
+
+
+def default_root() -> Path:
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "ray_forge"
+
+
+def _node_id() -> str | None:
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def map_file(path: Path, nbytes: int, writable: bool) -> torch.Tensor:
+    """A uint8 tensor over the file's pages; the mapping lives as long as the tensor (no copy)."""
+    with open(path, "r+b" if writable else "rb") as f:
+        if writable:
+            os.ftruncate(f.fileno(), nbytes)
+        # MAP_PRIVATE for readers: writable (torch wants that) yet never touches the shared pages.
+        flags = (mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE) | mmap.MAP_POPULATE
+        mapped = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+class SharedMemoryTransport:
+    def __init__(self, spec: StoreSpec, root: Path | None = None) -> None:
+        self.spec = spec
+        self.root = (root or default_root()) / spec.name
+
+    def version_dir(self, version: int) -> Path:
+        return self.root / f"policy_ver_{version:010d}"
+
+    def write(self, version: int, buckets: list[Bucket], state_dict: dict[str, torch.Tensor]) -> dict:
+        final = self.version_dir(version)
+        staging = final.with_suffix(".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for bucket in buckets:
+            path = staging / f"bucket_{bucket.index:05d}"
+            path.touch()
+            pack_into(bucket, state_dict, map_file(path, bucket.nbytes, writable=True))
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)  # a reader never sees a half-written version
+        return {"dir": str(final), "node_id": _node_id()}
+
+    def read(self, manifest: Manifest, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        here = _node_id()
+        if manifest.location["node_id"] not in (None, here):
+            raise WeightSyncError(
+                f"weights version {manifest.version} from {manifest.sender} are in shared memory on node "
+                f"{manifest.location['node_id']}, but this process runs on node {here}; "
+                "use weights.transport=object_store (or auto) when policies and trainer are on different nodes")
+        folder = Path(manifest.location["dir"])
+        for bucket in manifest.buckets:
+            try:
+                yield bucket, map_file(folder / f"bucket_{bucket.index:05d}", bucket.nbytes, writable=False)
+            except FileNotFoundError:
+                raise WeightSyncError(f"weights version {manifest.version} from {manifest.sender} was deleted "
+                                      f"while being read (bucket {bucket.index} of {folder} is gone)") from None
+
+    def free(self, manifest: Manifest) -> None:
+        # Readers that still map a bucket keep its pages until they unmap (tmpfs semantics).
+        shutil.rmtree(manifest.location["dir"], ignore_errors=True)
+
+    def destroy(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
