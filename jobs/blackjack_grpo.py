@@ -37,7 +37,6 @@ from ray_forge.metrics import MetricsLog  # noqa: E402
 from ray_forge.models import check_model_dir, make_tiny_qwen3  # noqa: E402
 from ray_forge.remote import call, get  # noqa: E402
 from ray_forge.rollout import RolloutSettings, play_groups  # noqa: E402
-from ray_forge.weights.dir_store import DirWeightStore, default_root  # noqa: E402
 
 log = logging.getLogger("blackjack_grpo")
 
@@ -99,16 +98,16 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState, rollou
     raise TimeoutError(f"no training batch within {config.policy.call_timeout_s:.0f}s")
 
 
-async def push_weights(config: JobConfig, actors: Actors, version: int) -> float:
-    """Trainer writes version ``version`` to the store; every policy loads it in place."""
+async def push_weights(config: JobConfig, actors: Actors, version: int) -> dict[str, float]:
+    """The trainer puts ``version`` in the weight store; every policy pulls it in place."""
     start = time.monotonic()
-    path = str(actors.store.path(version))
-    await actors.trainer.export_hf(path)
-    await asyncio.gather(*(call(p.update_weights.remote(path, version), timeout_s=config.policy.call_timeout_s,
+    spec = actors.store.spec
+    publish_s = await actors.trainer.publish_weights(spec, version)
+    # A policy finishes its current generate call first, so this wait includes that.
+    await asyncio.gather(*(call(p.update_weights.remote(spec, version), timeout_s=spec.timeout_s,
                                 what=f"policy-{i}.update_weights")
                            for i, p in enumerate(actors.policies)))
-    actors.store.commit(version)
-    return time.monotonic() - start
+    return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s}
 
 
 def greedy_eval(policy, mc_games: int, timeout_s: float) -> dict:
@@ -137,8 +136,8 @@ async def train(config: JobConfig, actors: Actors, run_dir: Path) -> dict:
             train_stats = await actors.trainer.train_step(samples) if samples else {}
             policy_lag = state.trainer_version - batch_stats["sample_policy_version"]
             state.trainer_version = step
-            sync_s = await push_weights(config, actors, step)
-            row = dict(**batch_stats, **train_stats, policy_lag=policy_lag, weight_sync_s=sync_s,
+            sync = await push_weights(config, actors, step)
+            row = dict(**batch_stats, **train_stats, **sync, policy_lag=policy_lag,
                        tokens_per_s=state.generated_tokens / max(state.rollout_seconds, 1e-9))
             if config.run.eval_every and (step % config.run.eval_every == 0 or step == config.run.steps):
                 result = await loop.run_in_executor(None, greedy_eval, actors.policies[0], 0,
@@ -190,12 +189,13 @@ def main(argv: list[str] | None = None) -> dict:
     started_ray = cluster.connect(config.cluster, namespace=run_dir.name)
     actors = None
     try:
-        store = DirWeightStore(default_root() / "ray_forge" / run_dir.name)
-        actors = start_actors(config, model_dir, store)
+        actors = start_actors(config, model_dir, store_name=run_dir.name)
         best = asyncio.run(train(config, actors, run_dir))
         asyncio.run(save_policy(actors, run_dir / "final_policy"))
         final = greedy_eval(actors.policies[0], config.run.eval_mc_games, config.policy.call_timeout_s)
-        summary = dict(final, run_dir=str(run_dir), steps=config.run.steps,
+        versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
+        summary = dict(final, run_dir=str(run_dir), steps=config.run.steps, policy_versions=versions,
+                       weight_transport=actors.store.spec.transport,
                        best_exact_return=best.get("exact_return"), best_step=best.get("step"))
         (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
         log.info("final policy: %s", run_dir / "final_policy")

@@ -149,6 +149,25 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WeightSyncConfig:
+    """How the trainer's weights reach the policy engines after every step."""
+
+    transport: Literal["auto", "shm", "object_store", "nccl", "torchstore"] = "auto"
+    """auto: shm when every policy shares trainer rank 0's node, else object_store. nccl pushes
+    over NCCL through vLLM's weight-transfer API (GPU only, untested here); torchstore needs the
+    torchstore package and Monarch."""
+    keep_versions: int = 2
+    """Versions kept in the store; older ones are freed."""
+    bucket_mb: int = 128
+    """Tensors travel in buckets of this size: a receiver needs about one bucket beyond its model."""
+    dtype: str = "auto"
+    """Dtype on the wire for floating weights; auto: the policy engine's dtype (fp32 master
+    weights travel as bf16 to a bf16 engine)."""
+    timeout_s: float = 300.0
+    """Longest wait for a version to be published or read; a lost peer fails within it."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "blackjack"
     output_dir: str = "runs"
@@ -176,6 +195,7 @@ class JobConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self) -> None:
         from ray_forge.config import ConfigError

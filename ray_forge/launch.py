@@ -16,7 +16,7 @@ from ray_forge.cluster import Pools
 from ray_forge.grpo_config import JobConfig
 from ray_forge.remote import get
 from ray_forge.trainer_group import TrainerGroup
-from ray_forge.weights import DirWeightStore
+from ray_forge.weights import StoreSpec, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class Actors:
     buffer: object
     trainer: TrainerGroup
     reference: object | None
-    store: DirWeightStore
+    store: WeightStore
     pools: Pools
     _all: list = field(default_factory=list)
 
@@ -48,14 +48,19 @@ class Actors:
         for handle in self._all:
             ray.kill(handle, no_restart=True)
         self.pools.release()
-        self.store.destroy()
+        try:
+            self.store.destroy()
+        except Exception as err:  # the controller may be gone; shm folders are still removed below
+            log.warning("weight store cleanup: %s", err)
+            if hasattr(self.store.transport, "destroy"):
+                self.store.transport.destroy()
 
 
 def _threads(num_cpus: float) -> int:
     return max(1, int(num_cpus))
 
 
-def start_actors(config: JobConfig, model_dir: str, store: DirWeightStore) -> Actors:
+def start_actors(config: JobConfig, model_dir: str, store_name: str) -> Actors:
     """Create all actors at once (their start-ups overlap), then wait for them to be ready."""
     kl = config.grpo.kl_coef > 0
     roles = {
@@ -68,7 +73,7 @@ def start_actors(config: JobConfig, model_dir: str, store: DirWeightStore) -> Ac
     pools = Pools(config.cluster, roles)
     handles: list = []
     try:
-        return _start_on(pools, config, model_dir, store, handles)
+        return _start_on(pools, config, model_dir, store_name, handles)
     except BaseException:
         for handle in handles:
             ray.kill(handle, no_restart=True)
@@ -76,7 +81,7 @@ def start_actors(config: JobConfig, model_dir: str, store: DirWeightStore) -> Ac
         raise
 
 
-def _start_on(pools: Pools, config: JobConfig, model_dir: str, store: DirWeightStore, handles: list) -> Actors:
+def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, handles: list) -> Actors:
     kl = config.grpo.kl_coef > 0
     slots = pools.slots
     envs = [EnvPoolActor.options(**slot.options(f"env-{i}")).remote(config.env.name, config.env.invalid_action_penalty)
@@ -85,7 +90,8 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store: DirWeightS
     action_words = get(envs[0].get_action_words.remote(), timeout_s=config.env.call_timeout_s, what="env-0")
     policies = [
         PolicyActor.options(**slot.options(f"policy-{i}"), runtime_env=_OFFLINE_ENV).remote(
-            model_dir=model_dir, config=config.policy, action_words=action_words, seed=config.run.seed + i)
+            model_dir=model_dir, config=config.policy, action_words=action_words, seed=config.run.seed + i,
+            weight_transport=config.weights.transport)
         for i, slot in enumerate(slots["policy"])
     ]
     handles += policies
@@ -112,8 +118,28 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store: DirWeightS
     handles += [buffer] + ([reference] if reference else [])
     trainer = TrainerGroup(ranks, config.trainer.call_timeout_s)
     num_params = trainer.setup()
-    get([p.get_version.remote() for p in policies], timeout_s=config.policy.call_timeout_s, what="policies")
+    policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=config.policy.call_timeout_s,
+                       what="policies")
+    trainer_node = get(ranks[0].node_id.remote(), timeout_s=60, what="trainer-0")
+    transport = resolve_transport(config.weights.transport, trainer_node, policy_nodes)
+    store = WeightStore.create(store_spec(config, store_name, transport))
     actors = Actors(policies, envs, buffer, trainer, reference, store, pools, handles)
-    log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s",
-             len(policies), len(ranks), num_params / 1e6, len(envs), kl)
+    log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s, weights over %s",
+             len(policies), len(ranks), num_params / 1e6, len(envs), kl, transport)
     return actors
+
+
+def resolve_transport(choice: str, trainer_node: str, policy_nodes: list[str]) -> str:
+    """'auto' is shared memory when every policy is on trainer rank 0's node, else the object store."""
+    if choice != "auto":
+        return choice
+    return "shm" if all(node == trainer_node for node in policy_nodes) else "object_store"
+
+
+def store_spec(config: JobConfig, name: str, transport: str) -> StoreSpec:
+    weights = config.weights
+    return StoreSpec(
+        name=name, transport=transport, sender="trainer-0", keep_versions=weights.keep_versions,
+        bucket_bytes=weights.bucket_mb * 2**20, timeout_s=weights.timeout_s,
+        dtype=config.policy.dtype if weights.dtype == "auto" else weights.dtype,
+        receivers=tuple(f"policy-{i}" for i in range(config.policy.num_replicas)))

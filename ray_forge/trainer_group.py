@@ -6,6 +6,7 @@ import asyncio
 
 from ray_forge.episode import Sample
 from ray_forge.remote import call, get
+from ray_forge.weights import StoreSpec
 
 _TOKEN_WEIGHTED = ("clip_fraction", "kl", "entropy", "ratio_mean")
 
@@ -32,6 +33,10 @@ class TrainerGroup:
         """All ranks gather the full weights; rank 0 writes them."""
         paths = await self._all("export_hf", lambda rank: (out_dir if rank == 0 else None,))
         return paths[0]
+
+    async def publish_weights(self, spec: StoreSpec, version: int) -> float:
+        """All ranks gather the full weights; rank 0 puts them in the store. Returns rank 0's seconds."""
+        return (await self._all("publish_weights", lambda rank: (spec, version)))[0]
 
     async def _all(self, method: str, args_for_rank) -> list:
         refs = [getattr(r, method).remote(*args_for_rank(i)) for i, r in enumerate(self.ranks)]

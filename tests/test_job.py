@@ -33,11 +33,14 @@ def test_job_writes_metrics_and_a_final_policy(finished_run):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("wall_time_s", "train_reward", "loss", "kl", "policy_lag", "tokens_per_s", "step_time_s",
-                "weight_sync_s", "grad_norm", "clip_fraction", "entropy"):
+                "weight_sync_s", "weight_publish_s", "grad_norm", "clip_fraction", "entropy"):
         assert all(key in r for r in rows), key
     assert "eval_return" in rows[-1] and -1.0 <= rows[-1]["eval_return"] <= 1.0
     assert any(r["kl"] > 0 for r in rows[1:])  # the reference actor ran and the policy moved away from it
     assert rows[-1]["version"] == 3
+    # Every weight push went through the store, and both engines ended on the last version.
+    assert summary["weight_transport"] == "shm" and summary["policy_versions"] == [3, 3]
+    assert all(0 < r["weight_publish_s"] <= r["weight_sync_s"] for r in rows)
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         assert (run_dir / "final_policy" / name).is_file(), name
     assert set(summary) >= {"exact_return", "mc_return", "agreement"}

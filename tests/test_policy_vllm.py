@@ -48,9 +48,11 @@ def test_behaviour_logprobs_are_over_the_restricted_actions(policy, tiny_model_d
         assert c.logprobs[0] == pytest.approx(lp.item(), abs=1e-4)
 
 
-def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, tmp_path, ray_cluster):
-    """Train with TorchTitan (a Ray actor, 1 rank, gloo), export HF weights, reload vLLM in place,
-    and compare: vLLM's greedy action equals the trainer model's argmax over the action tokens."""
+@pytest.mark.parametrize("transport", ["shm", "object_store"])
+def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, ray_cluster, transport):
+    """Train with TorchTitan (a Ray actor, 1 rank, gloo), put its weights in the store, have the
+    vLLM worker pull them in place, and compare: vLLM's greedy action equals the trainer model's
+    argmax over the action tokens, and its sampling logprobs equal the trainer's."""
     import asyncio
 
     import ray
@@ -58,13 +60,18 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, tmp_
     from ray_forge.actors.trainer import TrainerActor
     from ray_forge.episode import Sample
     from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.weights import StoreSpec, WeightStore
 
     rank = TrainerActor.options(num_cpus=0.5).remote(
         model_dir=tiny_model_dir, trainer=TrainerConfig(lr=3e-3), grpo=GRPOConfig(), total_steps=5,
         rank=0, world_size=1, allowed_token_ids=policy.allowed_ids)
     trainer = TrainerGroup([rank], timeout_s=300)
+    store = WeightStore.create(StoreSpec(name=f"vllm-test-{transport}", transport=transport, bucket_bytes=2**17))  # several buckets
     try:
         trainer.setup()
+        # Version 1 is the untrained model, so each transport starts from the same engine state.
+        asyncio.run(trainer.publish_weights(store.spec, 1))
+        policy.update_weights(store.spec, 1)
         prompts = _prompts(360)
         before = [c.text for c in policy.generate(prompts, greedy=True)]
         hit = policy.tokenizer.convert_tokens_to_ids("HIT")
@@ -73,9 +80,9 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, tmp_
                    for c in policy.generate(prompts)]
         for _ in range(5):
             asyncio.run(trainer.train_step(samples))
-        out_dir = str(tmp_path / "v5")
-        asyncio.run(trainer.export_hf(out_dir))
-        seconds = policy.update_weights(out_dir, 5)
+        asyncio.run(trainer.publish_weights(store.spec, 5))
+        assert store.versions() == [1, 5] and len(store.manifest(5).buckets) > 1
+        seconds = policy.update_weights(store.spec, 5)
         assert seconds < 30 and policy.get_version() == 5
         after = policy.generate(prompts, greedy=True)
         assert [c.text for c in after] != before  # the weights changed what the engine does
@@ -93,6 +100,7 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, tmp_
     finally:
         trainer.shutdown()
         ray.kill(rank)
+        store.destroy()
 
 
 def test_garbage_model_output_is_a_penalised_game(tiny_model_dir):

@@ -11,6 +11,7 @@ import ray
 
 from ray_forge.grpo_config import PolicyConfig
 from ray_forge.episode import Turn
+from ray_forge.weights import StoreSpec, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class VLLMPolicy:
     """One engine in this process (uni executor): ~3 s to start instead of ~20 s with workers."""
 
     def __init__(self, *, model_dir: str, config: PolicyConfig, action_words: tuple[str, ...] | None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, weight_transport: str = "") -> None:
         # Must be set before vLLM is imported: keep the engine core and worker in this actor.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -42,6 +43,10 @@ class VLLMPolicy:
         self.model_dir = model_dir
         self.version = 0
         start = time.monotonic()
+        push = {}
+        if weight_transport == "nccl":  # the trainer broadcasts into vLLM's own weight-transfer engine
+            from vllm.config import WeightTransferConfig
+            push = {"weight_transfer_config": WeightTransferConfig(backend="nccl")}
         self.llm = LLM(
             model=model_dir,
             tokenizer=model_dir,
@@ -57,6 +62,9 @@ class VLLMPolicy:
             # Report logprobs of the distribution actually sampled from (after the action
             # restriction and temperature), so the trainer's importance ratio is exact.
             logprobs_mode="processed_logprobs",
+            # Each worker pulls new weights from the store inside its own process.
+            worker_extension_cls="ray_forge.weights.vllm_receiver.WeightReceiverExtension",
+            **push,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.allowed_ids = (action_token_ids(self.tokenizer, action_words)
@@ -103,16 +111,27 @@ class VLLMPolicy:
             return [pools[p][0] for p in prompts]
         return [pools[p].pop() for p in prompts]
 
-    def update_weights(self, weights_dir: str, version: int) -> float:
-        """Load a checkpoint directory in place (no engine restart); returns seconds taken.
+    def update_weights(self, spec: StoreSpec, version: int) -> float:
+        """Load ``version`` from the weight store in place (no engine restart); returns seconds.
 
-        Calls to this actor run one at a time, so generation is paused for the swap."""
+        Calls to this actor run one at a time, so generation pauses for the swap and resumes
+        with the new weights."""
         start = time.monotonic()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir})
+        if spec.transport == "nccl":
+            WeightStore(spec).manifest(version)  # already pushed into the engine; confirm it was published
+        else:
+            self.llm.collective_rpc("pull_weights", args=(spec, version))
         # Cached prefixes hold keys/values of the old weights.
         self.llm.reset_prefix_cache()
         self.version = version
         return time.monotonic() - start
+
+    def weight_transfer_rpc(self, method: str, *args) -> None:
+        """vLLM's weight-transfer calls (the nccl push), forwarded to every worker of the engine."""
+        self.llm.collective_rpc(method, args=args)
+
+    def num_workers(self) -> int:
+        return self.config.tensor_parallel_size
 
     def get_model_dir(self) -> str:
         """The folder the engine started from (tokenizer and config live there)."""

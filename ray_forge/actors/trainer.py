@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import socket
+import time
 from pathlib import Path
 
 import ray
@@ -17,6 +18,7 @@ from ray_forge.episode import Sample
 from ray_forge.grpo import grpo_loss, loss_normalizer, token_logprobs_and_entropy
 from ray_forge.grpo_config import GRPOConfig, TrainerConfig
 from ray_forge.titan_qwen3 import build_qwen3, full_hf_state_dict, shard_fsdp2
+from ray_forge.weights import StoreSpec, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class TitanTrainer:
         self.version = 0
         torch.set_num_threads(max(1, num_threads))
         self.model = self.adapter = self.optimizer = self.scheduler = None
+        self.store: WeightStore | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         return free_address()
@@ -127,6 +130,21 @@ class TitanTrainer:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         save_file(state, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
         return out_dir
+
+    def publish_weights(self, spec: StoreSpec, version: int) -> float:
+        """Gather full weights (all ranks); rank 0 puts them in the weight store. Returns seconds.
+
+        The put only writes and publishes: it never waits for a receiver."""
+        start = time.monotonic()
+        state = full_hf_state_dict(self.model, self.adapter)
+        if self.rank == 0:
+            if self.store is None or self.store.spec != spec:
+                self.store = WeightStore(spec)
+            self.store.put_state_dict(version, state)
+        return time.monotonic() - start
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def logits(self, token_ids: list[list[int]]) -> torch.Tensor:
         """Full-vocabulary logits of equal-length rows (for checks against the policy engine)."""

@@ -45,8 +45,8 @@ class StoreSpec:
             raise ValueError(f"unknown weight transport {self.transport!r}; choose one of {TRANSPORTS}")
         if self.keep_versions < 1:
             raise ValueError("keep_versions must be >= 1")
-        if self.bucket_bytes < 2**20:
-            raise ValueError("bucket_bytes must be at least 1 MiB")
+        if self.bucket_bytes < 2**16:
+            raise ValueError("bucket_bytes must be at least 64 KiB")
         if self.dtype and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"weights dtype {self.dtype!r} is not a torch dtype")
 
