@@ -180,6 +180,49 @@ def test_old_versions_are_evicted(ray_cluster, peers, transport):
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("transport", ["shm", "object_store"])
+def test_views_stay_valid_after_the_reader_moves_on(ray_cluster, peers, transport):
+    """vLLM's loader may hold tensors of earlier buckets; releasing a bucket's pages must not change them."""
+    _, sender, _ = peers
+    store = WeightStore.create(spec_for(transport))
+    try:
+        ray_cluster.get(sender.put.remote(store.spec, 1, seed=5), timeout=60)
+        held = dict(store.iter_state_dict(1))  # every view kept past its bucket
+        assert_bitwise({k: v.clone() for k, v in held.items()}, state_dict(5))
+    finally:
+        store.destroy()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("transport", ["shm", "object_store"])
+def test_the_sender_never_waits_for_a_slow_receiver(ray_cluster, peers, transport, tmp_path):
+    """A receiver stalls mid-read while the sender publishes two more versions: every put returns
+    promptly; the stalled read then fails clearly (shm: its files were freed) or, where the bytes
+    are still referenced (object store), completes with the right data."""
+    _, sender, (receiver, _) = peers
+    store = WeightStore.create(spec_for(transport, keep_versions=2, timeout_s=30))
+    try:
+        ray_cluster.get(sender.put.remote(store.spec, 1, seed=1), timeout=60)
+        marker = tmp_path / "stalled"
+        stalled = receiver.slow_read.remote(store.spec, 1, str(marker), 4.0)
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.monotonic()
+        for version in (2, 3):
+            ray_cluster.get(sender.put.remote(store.spec, version, seed=version), timeout=60)
+        assert time.monotonic() - start < 4.0, "a put waited for the stalled receiver"
+        assert store.versions() == [2, 3]
+        if transport == "shm":
+            with pytest.raises(Exception, match="version 1 from trainer-0 was deleted while being read"):
+                ray_cluster.get(stalled, timeout=60)
+        else:
+            assert ray_cluster.get(stalled, timeout=60) == len(state_dict())
+    finally:
+        store.destroy()
+
+
+@pytest.mark.ray
 def test_killing_the_sender_mid_transfer_fails_the_receiver_naming_it(ray_cluster, peers, tmp_path):
     Sender, _, (receiver, _) = peers
     store = WeightStore.create(spec_for("object_store", timeout_s=20))

@@ -158,6 +158,9 @@ class TitanTrainer:
         return list(range(self.rank, num_rows, self.world_size))
 
     def shutdown(self) -> None:
+        # Shared-memory versions live on this node, which may not be the driver's.
+        if self.store is not None and hasattr(self.store.transport, "destroy"):
+            self.store.transport.destroy()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -8,6 +8,8 @@ a dead sender makes a receiver's fetch fail at once (Ray reports the owner died)
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import time
 import warnings
 from typing import Iterator
@@ -20,6 +22,24 @@ from ray_forge.weights.base import Manifest, StoreSpec, WeightSyncError
 from ray_forge.weights.layout import Bucket, pack_into
 
 _LOST = (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError, ray.exceptions.ObjectFetchTimedOutError)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MADV_DONTNEED = 4
+
+
+def unmap_pages(array: np.ndarray) -> None:
+    """Drop this process's page mappings of a read object-store buffer.
+
+    The object store maps its shared memory into every reader, and pages a reader touched stay
+    counted in its RSS: without this a receiver's RSS grows by the whole model. For a shared
+    mapping MADV_DONTNEED only drops this process's page-table entries; the object's bytes stay
+    in the store, and any later access maps them again, unchanged."""
+    page = mmap.PAGESIZE
+    start = -(-array.ctypes.data // page) * page
+    end = (array.ctypes.data + array.nbytes) // page * page
+    if end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
 def as_bytes(array: np.ndarray) -> torch.Tensor:
@@ -47,7 +67,9 @@ class ObjectStoreTransport:
         for i, bucket in enumerate(manifest.buckets):
             if i + 1 < len(refs):  # start pulling the next bucket to this node while this one is used
                 ray.wait([refs[i + 1]], fetch_local=True, timeout=0)
-            yield bucket, as_bytes(self._get(manifest, refs[i], bucket, deadline))
+            array = self._get(manifest, refs[i], bucket, deadline)
+            yield bucket, as_bytes(array)
+            unmap_pages(array)  # the consumer has moved on to the next bucket
 
     def _get(self, manifest: Manifest, ref, bucket: Bucket, deadline: float) -> np.ndarray:
         what = f"weights version {manifest.version} from {manifest.sender} (bucket {bucket.index})"

@@ -35,8 +35,10 @@ def map_file(path: Path, nbytes: int, writable: bool) -> torch.Tensor:
     with open(path, "r+b" if writable else "rb") as f:
         if writable:
             os.ftruncate(f.fileno(), nbytes)
-        # MAP_PRIVATE for readers: writable (torch wants that) yet never touches the shared pages.
-        flags = (mmap.MAP_SHARED if writable else mmap.MAP_PRIVATE) | mmap.MAP_POPULATE
+        # Readers map privately: writable as torch wants, yet a read maps the shared page itself
+        # (copy-on-write only on a write, which never happens). No MAP_POPULATE for them: on a
+        # private writable mapping it would pre-copy every page.
+        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE if writable else mmap.MAP_PRIVATE
         mapped = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(mapped, dtype=torch.uint8)
 

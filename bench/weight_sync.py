@@ -1,0 +1,289 @@
+"""Weight sync: a 1 GB fp32 state dict (~100 tensors) from a trainer actor into 2 receiver actors.
+
+Everything is measured in one run, on a 2-node Ray cluster started on this machine (head on
+127.0.0.2, where the trainer lives; worker on 127.0.0.3):
+
+- ``memcpy``: an in-process ``copy_`` of the same bytes into preallocated tensors (the limit);
+- ``naive``: ``ray.put`` of the torch state dict, ``ray.get`` + ``copy_`` in each receiver;
+- ``shm``: the weight store over shared memory (receivers on the trainer's node);
+- ``object_store``: the weight store over numpy buckets in Ray's object store;
+- naive and object_store again with the receivers on the other node.
+
+Per receiver, bandwidth is model bytes over the seconds from calling ``get`` on a published
+version to having it in the receiver's preallocated tensors; ``sync`` is bytes over the whole
+round (the trainer's put plus both receivers). Peak RSS is each receiver's high-water mark
+during the get (reset just before it), next to its RSS before the model was allocated.
+
+    python bench/weight_sync.py [--gb 1.0] [--tensors 100] [--reps 3] [--bucket-mb 128]
+
+The last line printed is a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ray_forge.local_cluster import LocalCluster, NodeSpec  # noqa: E402
+from ray_forge.weights import StoreSpec, WeightStore  # noqa: E402
+
+GB = 10**9
+HEAD, OTHER = "127.0.0.2", "127.0.0.3"
+
+
+def shapes(total_bytes: int, num_tensors: int) -> dict[str, tuple[int, int]]:
+    cols = 1024
+    rows = total_bytes // (4 * cols * num_tensors)
+    return {f"layers.{i}.weight": (rows, cols) for i in range(num_tensors)}
+
+
+def rss_kb(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    def __init__(self, layout: dict) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.state = {k: torch.randn(shape, generator=gen) for k, shape in layout.items()}
+
+    def put_store(self, spec: StoreSpec, version: int) -> float:
+        start = time.monotonic()
+        WeightStore(spec).put_state_dict(version, self.state)
+        return time.monotonic() - start
+
+    def tcp_send(self, host: str, port: int) -> None:
+        with socket.create_connection((host, port), timeout=600) as sock:
+            for tensor in self.state.values():
+                sock.sendall(memoryview(tensor.numpy()).cast("B"))
+
+    def put_naive(self) -> tuple[list, float]:
+        start = time.monotonic()
+        ref = ray.put(self.state)
+        return [ref], time.monotonic() - start  # in a list, so the caller gets the ref, not the dict
+
+
+@ray.remote(num_cpus=0)
+class Receiver:
+    def __init__(self, layout: dict) -> None:
+        self.base_rss_kb = rss_kb("VmRSS")
+        self.into = {k: torch.empty(shape).fill_(1.0) for k, shape in layout.items()}  # pages touched
+
+    def memcpy(self) -> float:
+        src = {k: torch.empty_like(v).fill_(2.0) for k, v in self.into.items()}
+        start = time.monotonic()
+        for k, v in self.into.items():
+            v.copy_(src[k])
+        return time.monotonic() - start
+
+    def _measured(self, fn) -> dict:
+        reset_peak_rss()
+        before = rss_kb("VmRSS")
+        start = time.monotonic()
+        fn()
+        seconds = time.monotonic() - start
+        return {"seconds": seconds, "peak_rss_mb": rss_kb("VmHWM") / 1024, "rss_before_mb": before / 1024,
+                "shmem_after_mb": rss_kb("RssShmem") / 1024, "base_rss_mb": self.base_rss_kb / 1024,
+                "threads": torch.get_num_threads()}
+
+    def get_store(self, spec: StoreSpec, version: int) -> dict:
+        return self._measured(lambda: WeightStore(spec).get_state_dict(version, into=self.into))
+
+    def tcp_listen(self) -> tuple[str, int]:
+        self.server = socket.create_server((ray.util.get_node_ip_address(), 0))
+        return self.server.getsockname()[:2]
+
+    def tcp_recv(self) -> float:
+        """One plain TCP stream into the preallocated tensors: the ceiling for any network transport."""
+        conn, _ = self.server.accept()
+        start = time.monotonic()
+        with conn:
+            for tensor in self.into.values():
+                view, got = memoryview(tensor.numpy()).cast("B"), 0
+                while got < len(view):
+                    got += conn.recv_into(view[got:])
+        return time.monotonic() - start
+
+    def get_naive(self, refs: list) -> dict:
+        def fetch():
+            state = ray.get(refs[0], timeout=600)
+            for k, v in self.into.items():
+                v.copy_(state[k])
+        return self._measured(fetch)
+
+    def checksum(self) -> float:
+        return float(sum(v[:4].sum() for v in self.into.values()))
+
+
+def place(actor_cls, node_ip: str, *args):
+    return actor_cls.options(resources={f"node:{node_ip}": 0.01}).remote(*args)
+
+
+def run_rounds(name: str, trainer, receivers, put, get, nbytes: int, reps: int) -> dict:
+    """One warm-up round, then ``reps`` measured rounds; medians. Stops the receivers after."""
+    rounds = []
+    for rep in range(reps + 1):
+        start = time.monotonic()
+        put_result = ray.get(put(rep), timeout=600)
+        got = ray.get([get(r, rep, put_result) for r in receivers], timeout=600)
+        total = time.monotonic() - start
+        if rep:
+            rounds.append((put_result if isinstance(put_result, float) else put_result[1], got, total))
+    for actor in receivers:
+        ray.kill(actor)
+    per_receiver = [statistics.median(nbytes / g[i]["seconds"] for _, g, _ in rounds) / GB
+                    for i in range(len(receivers))]
+    result = {
+        "receiver_gbps": [round(x, 3) for x in per_receiver],
+        "receiver_gbps_min": round(min(per_receiver), 3),
+        "put_s": round(statistics.median(p for p, _, _ in rounds), 3),
+        "sync_gbps": round(statistics.median(nbytes / t for _, _, t in rounds) / GB, 3),
+        "peak_rss_mb": [round(max(g[i]["peak_rss_mb"] for _, g, _ in rounds)) for i in range(len(receivers))],
+        # The transfer's own memory: the high-water mark over the RSS just before the get.
+        "extra_rss_mb": [round(max(g[i]["peak_rss_mb"] - g[i]["rss_before_mb"] for _, g, _ in rounds))
+                         for i in range(len(receivers))],
+        "shmem_after_mb": [round(rounds[-1][1][i]["shmem_after_mb"]) for i in range(len(receivers))],
+        "base_rss_mb": [round(rounds[0][1][i]["base_rss_mb"]) for i in range(len(receivers))],
+    }
+    print(f"{name:>28}: {json.dumps(result)}", flush=True)
+    return result
+
+
+def store_rounds(name, trainer, receivers, transport, nbytes, reps, bucket_bytes, dtype=""):
+    store = WeightStore.create(StoreSpec(name=f"bench-{uuid.uuid4().hex[:8]}", transport=transport,
+                                         keep_versions=1, bucket_bytes=bucket_bytes, dtype=dtype, timeout_s=600))
+    try:
+        return run_rounds(name, trainer, receivers,
+                          put=lambda v: trainer.put_store.remote(store.spec, v),
+                          get=lambda r, v, _: r.get_store.remote(store.spec, v), nbytes=nbytes, reps=reps)
+    finally:
+        store.destroy()
+
+
+def naive_rounds(name, trainer, receivers, nbytes, reps):
+    return run_rounds(name, trainer, receivers, put=lambda v: trainer.put_naive.remote(),
+                      get=lambda r, v, put_result: r.get_naive.remote(put_result[0]), nbytes=nbytes, reps=reps)
+
+
+def main() -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--tensors", type=int, default=100)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=128)
+    parser.add_argument("--ray-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="environment for the Ray nodes, e.g. RAY_object_manager_default_chunk_size=...")
+    parser.add_argument("--only", nargs="*", default=[], help="run only these cases (no summary ratios)")
+    args = parser.parse_args()
+    layout = shapes(int(args.gb * GB), args.tensors)
+    nbytes = sum(r * c * 4 for r, c in layout.values())
+    bucket_bytes = args.bucket_mb * 2**20
+    node = dict(num_cpus=2, memory_bytes=8 * GB, object_store_bytes=3 * GB)
+    ray_env = dict(item.split("=", 1) for item in args.ray_env)
+    with LocalCluster([NodeSpec(HEAD, **node), NodeSpec(OTHER, **node)], env=ray_env) as cluster:
+        cluster.connect(log_to_driver=False,
+                        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
+        trainer = place(Trainer, HEAD, layout)
+
+        def fresh(node_ip: str) -> list:
+            """New receiver processes for every case, so no case inherits another's memory."""
+            actors = [place(Receiver, node_ip, layout) for _ in range(2)]
+            ray.get([a.checksum.remote() for a in actors], timeout=600)
+            return actors
+
+        probe = fresh(HEAD)[0]
+
+        def best_memcpy() -> float:
+            # The limit: the best of several copies in a receiver-like process (same thread count).
+            return max(nbytes / ray.get(probe.memcpy.remote(), timeout=600) / GB for _ in range(args.reps + 2))
+
+        memcpy = best_memcpy()
+        print(f"{'memcpy':>28}: {memcpy:.3f} GB/s", flush=True)
+        tcp = fresh(OTHER)[0]
+        tcp_s = []
+        for _ in range(args.reps):
+            host, port = ray.get(tcp.tcp_listen.remote(), timeout=60)
+            pending = tcp.tcp_recv.remote()
+            ray.get(trainer.tcp_send.remote(host, port), timeout=600)
+            tcp_s.append(ray.get(pending, timeout=600))
+        tcp_ceiling = nbytes / statistics.median(tcp_s) / GB
+        ray.kill(tcp)
+        print(f"{'one TCP stream, across nodes':>28}: {tcp_ceiling:.3f} GB/s", flush=True)
+        cases = {
+            "naive_same_node": lambda: naive_rounds("naive, same node", trainer, fresh(HEAD), nbytes, args.reps),
+            "shm": lambda: store_rounds("shm", trainer, fresh(HEAD), "shm", nbytes, args.reps, bucket_bytes),
+            "shm_to_bf16": lambda: store_rounds("shm, fp32->bf16", trainer, fresh(HEAD), "shm", nbytes, args.reps,
+                                                bucket_bytes, dtype="bfloat16"),
+            "object_store_same_node": lambda: store_rounds("object_store, same node", trainer, fresh(HEAD),
+                                                           "object_store", nbytes, args.reps, bucket_bytes),
+            "naive_cross_node": lambda: naive_rounds("naive, across nodes", trainer, fresh(OTHER), nbytes, args.reps),
+            "object_store_cross_node": lambda: store_rounds("object_store, across nodes", trainer, fresh(OTHER),
+                                                            "object_store", nbytes, args.reps, bucket_bytes),
+        }
+        results = {name: case() for name, case in cases.items() if not args.only or name in args.only}
+        memcpy = max(memcpy, best_memcpy())  # again at the end: the machine is shared and noisy
+        ray.kill(probe)
+        ray.shutdown()
+    if args.only:
+        print(json.dumps({"bench": "weight_sync", "memcpy_gbps": round(memcpy, 3),
+                          "tcp_stream_cross_node_gbps": round(tcp_ceiling, 3), **results}))
+        return results
+    return summarize(results, memcpy, tcp_ceiling, nbytes, bucket_bytes, args)
+
+
+def summarize(results: dict, memcpy: float, tcp_ceiling: float, nbytes: int, bucket_bytes: int, args) -> dict:
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 3)
+
+    shm, naive_near = results["shm"], results["naive_same_node"]
+    cross, naive_far = results["object_store_cross_node"], results["naive_cross_node"]
+    rss_bound_mb = 1.2 * (nbytes + bucket_bytes) / 2**20
+    summary = {
+        "bench": "weight_sync", "model_bytes": nbytes, "tensors": args.tensors, "bucket_mb": args.bucket_mb,
+        "receivers": 2, "reps": args.reps, "memcpy_gbps": round(memcpy, 3),
+        # One plain socket between the two nodes, one receiver: what the loopback network allows.
+        "tcp_stream_cross_node_gbps": round(tcp_ceiling, 3),
+        "tcp_stream_vs_naive_cross_node": ratio(tcp_ceiling, results["naive_cross_node"]["receiver_gbps_min"]),
+        **{name: r for name, r in results.items()},
+        "vs_memcpy": {name: ratio(r["receiver_gbps_min"], memcpy) for name, r in results.items()},
+        "vs_naive": {"shm": ratio(shm["receiver_gbps_min"], naive_near["receiver_gbps_min"]),
+                     "object_store_same_node": ratio(results["object_store_same_node"]["receiver_gbps_min"],
+                                                     naive_near["receiver_gbps_min"]),
+                     "object_store_cross_node": ratio(cross["receiver_gbps_min"], naive_far["receiver_gbps_min"])},
+        "sync_vs_naive_cross_node": ratio(cross["sync_gbps"], naive_far["sync_gbps"]),
+        # A receiver holds the model; the sync may add one bucket, with 20% slack on the sum.
+        "rss_bound_mb": round(rss_bound_mb),
+        "model_plus_extra_mb": {name: round(nbytes / 2**20 + max(r["extra_rss_mb"])) for name, r in results.items()},
+    }
+    summary["targets"] = {
+        "shm_ge_half_memcpy": summary["vs_memcpy"]["shm"] >= 0.5,
+        "cross_node_ge_5x_naive": summary["vs_naive"]["object_store_cross_node"] >= 5,
+        "store_rss_within_bound": all(summary["model_plus_extra_mb"][k] <= rss_bound_mb
+                                      for k in ("shm", "shm_to_bf16", "object_store_same_node",
+                                                "object_store_cross_node")),
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""A multi-node Ray cluster on one machine, for rehearsals, tests and benchmarks.
+
+Each node is a ``ray start --block`` in its own process group, with every port chosen free, so
+it neither collides with another cluster on the machine (Ray's default ports may be taken) nor
+survives its owner: :meth:`LocalCluster.stop` kills each group. Nodes get distinct loopback
+addresses (127.0.0.2, 127.0.0.3, ...): ``ray start`` rewrites 127.0.0.1 to the host's address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    ip: str
+    num_cpus: int = 2
+    num_gpus: int = 0
+    memory_bytes: int = 6 * 10**9
+    """Caps what the node offers to tasks (by default a node claims most of the machine)."""
+    object_store_bytes: int = 5 * 10**8
+    labels: dict[str, str] = field(default_factory=dict)
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+def _node_args(node: NodeSpec) -> list[str]:
+    args = [f"--node-ip-address={node.ip}", f"--num-cpus={node.num_cpus}", f"--num-gpus={node.num_gpus}",
+            f"--memory={node.memory_bytes}", f"--object-store-memory={node.object_store_bytes}",
+            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
+    if node.labels:
+        args.append(f"--labels={json.dumps(node.labels)}")
+    if node.resources:
+        args.append(f"--resources={json.dumps(node.resources)}")
+    return args
+
+
+class LocalCluster:
+    """``with LocalCluster([NodeSpec("127.0.0.2"), NodeSpec("127.0.0.3")]) as c: c.connect()``"""
+
+    def __init__(self, nodes: list[NodeSpec], *, dashboard: bool = False, env: dict[str, str] | None = None,
+                 start_timeout_s: float = 120.0) -> None:
+        if not nodes:
+            raise ValueError("a cluster needs at least a head node")
+        self.nodes = nodes
+        self.dashboard = dashboard
+        self.start_timeout_s = start_timeout_s
+        bin_dir = Path(sys.executable).parent
+        # Ray 2.60 turns token auth on for `ray start` once ~/.ray/auth_token exists, while drivers
+        # and the `ray job` CLI default to no auth and cannot connect. This cluster listens on
+        # loopback only, so it runs without auth and anything on this machine can reach it.
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
+                        PATH=f"{bin_dir}:{os.environ['PATH']}", **(env or {}))
+        self.env.pop("RAY_ADDRESS", None)
+        self.ray = str(bin_dir / "ray")
+        self.temp_dir = Path("/tmp") / f"rf_{os.getpid()}_{free_port()}"  # short: socket paths are limited
+        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.nodes[0].ip}:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{self.nodes[0].ip}:{self.dashboard_port}"
+
+    def start(self) -> "LocalCluster":
+        head, *workers = self.nodes
+        self._spawn([self.ray, "start", "--head", "--block", f"--port={self.gcs_port}", f"--temp-dir={self.temp_dir}",
+                     f"--include-dashboard={str(self.dashboard).lower()}", f"--dashboard-host={head.ip}",
+                     f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
+                     *_node_args(head)])
+        self._wait_for_port(head.ip, self.gcs_port)
+        for node in workers:
+            self._spawn([self.ray, "start", "--block", f"--address={self.address}", *_node_args(node)])
+        return self
+
+    def _spawn(self, cmd: list[str]) -> None:
+        log = open(self.temp_dir.parent / f"{self.temp_dir.name}_{len(self.procs)}.log", "w")
+        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+
+    def _wait_for_port(self, host: str, port: int) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.procs[0].poll() is not None:
+                raise RuntimeError(f"the head node exited during start-up (rc {self.procs[0].returncode}); "
+                                   f"see {self.temp_dir}_0.log")
+            with socket.socket() as sock:
+                if sock.connect_ex((host, port)) == 0:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"the head node's GCS did not listen on {host}:{port} within {self.start_timeout_s:.0f}s")
+
+    def connect(self, **init_kwargs) -> None:
+        """``ray.init`` this process into the cluster and wait until every node is alive."""
+        import ray
+
+        ray.init(address=self.address, **init_kwargs)
+        deadline = time.monotonic() + self.start_timeout_s
+        while sum(n["Alive"] for n in ray.nodes()) < len(self.nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {sum(n['Alive'] for n in ray.nodes())} of {len(self.nodes)} nodes "
+                                   f"joined within {self.start_timeout_s:.0f}s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        # Workers Ray started outside the groups (none expected) would still name the temp dir.
+        subprocess.run(["pkill", "-f", str(self.temp_dir)], check=False)
+        self.procs.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
