@@ -22,6 +22,7 @@ The last line printed is a JSON object.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import socket
 import statistics
@@ -55,6 +56,14 @@ def rss_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def digest(tensors, dtype: torch.dtype | None = None) -> str:
+    """Hash of the bytes (after a round trip through ``dtype``, when the wire converts)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update((t.to(dtype).float() if dtype else t).numpy().tobytes())
+    return h.hexdigest()
+
+
 def reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
@@ -70,6 +79,9 @@ class Trainer:
         start = time.monotonic()
         WeightStore(spec).put_state_dict(version, self.state)
         return time.monotonic() - start
+
+    def digest(self, dtype: str = "") -> str:
+        return digest(self.state.values(), getattr(torch, dtype) if dtype else None)
 
     def tcp_send(self, host: str, port: int) -> None:
         with socket.create_connection((host, port), timeout=600) as sock:
@@ -133,13 +145,17 @@ class Receiver:
     def checksum(self) -> float:
         return float(sum(v[:4].sum() for v in self.into.values()))
 
+    def digest(self) -> str:
+        return digest(self.into.values())
+
 
 def place(actor_cls, node_ip: str, *args):
     return actor_cls.options(resources={f"node:{node_ip}": 0.01}).remote(*args)
 
 
-def run_rounds(name: str, trainer, receivers, put, get, nbytes: int, reps: int) -> dict:
-    """One warm-up round, then ``reps`` measured rounds; medians. Stops the receivers after."""
+def run_rounds(name: str, trainer, receivers, put, get, nbytes: int, reps: int, dtype: str = "") -> dict:
+    """One warm-up round, then ``reps`` measured rounds; medians. Checks every receiver ended with
+    exactly the trainer's bytes, then stops the receivers."""
     rounds = []
     for rep in range(reps + 1):
         start = time.monotonic()
@@ -148,11 +164,14 @@ def run_rounds(name: str, trainer, receivers, put, get, nbytes: int, reps: int) 
         total = time.monotonic() - start
         if rep:
             rounds.append((put_result if isinstance(put_result, float) else put_result[1], got, total))
+    want = ray.get(trainer.digest.remote(dtype), timeout=600)
+    exact = all(d == want for d in ray.get([r.digest.remote() for r in receivers], timeout=600))
     for actor in receivers:
         ray.kill(actor)
     per_receiver = [statistics.median(nbytes / g[i]["seconds"] for _, g, _ in rounds) / GB
                     for i in range(len(receivers))]
     result = {
+        "exact": exact,
         "receiver_gbps": [round(x, 3) for x in per_receiver],
         "receiver_gbps_min": round(min(per_receiver), 3),
         "put_s": round(statistics.median(p for p, _, _ in rounds), 3),
@@ -174,7 +193,8 @@ def store_rounds(name, trainer, receivers, transport, nbytes, reps, bucket_bytes
     try:
         return run_rounds(name, trainer, receivers,
                           put=lambda v: trainer.put_store.remote(store.spec, v),
-                          get=lambda r, v, _: r.get_store.remote(store.spec, v), nbytes=nbytes, reps=reps)
+                          get=lambda r, v, _: r.get_store.remote(store.spec, v), nbytes=nbytes, reps=reps,
+                          dtype=dtype)
     finally:
         store.destroy()
 
@@ -244,7 +264,8 @@ def main() -> dict:
         ray.kill(probe)
         ray.shutdown()
     if args.only:
-        print(json.dumps({"bench": "weight_sync", "memcpy_gbps": round(memcpy, 3),
+        print(json.dumps({"bench": "weight_sync", "all_exact": all(r["exact"] for r in results.values()),
+                          "memcpy_gbps": round(memcpy, 3),
                           "tcp_stream_cross_node_gbps": round(tcp_ceiling, 3), **results}))
         return results
     return summarize(results, memcpy, tcp_ceiling, nbytes, bucket_bytes, args)
@@ -275,6 +296,7 @@ def summarize(results: dict, memcpy: float, tcp_ceiling: float, nbytes: int, buc
         "model_plus_extra_mb": {name: round(nbytes / 2**20 + max(r["extra_rss_mb"])) for name, r in results.items()},
     }
     summary["targets"] = {
+        "all_exact": all(r["exact"] for r in results.values()),
         "shm_ge_half_memcpy": summary["vs_memcpy"]["shm"] >= 0.5,
         "cross_node_ge_5x_naive": summary["vs_naive"]["object_store_cross_node"] >= 5,
         "store_rss_within_bound": all(summary["model_plus_extra_mb"][k] <= rss_bound_mb
