@@ -104,10 +104,10 @@ async def push_weights(config: JobConfig, actors: Actors, version: int) -> dict[
     spec = actors.store.spec
     publish_s = await actors.trainer.publish_weights(spec, version)
     # A policy finishes its current generate call first, so this wait includes that.
-    await asyncio.gather(*(call(p.update_weights.remote(spec, version), timeout_s=spec.timeout_s,
-                                what=f"policy-{i}.update_weights")
-                           for i, p in enumerate(actors.policies)))
-    return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s}
+    load_s = await asyncio.gather(*(call(p.update_weights.remote(spec, version), timeout_s=spec.timeout_s,
+                                         what=f"policy-{i}.update_weights")
+                                    for i, p in enumerate(actors.policies)))
+    return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s, "weight_load_s": max(load_s)}
 
 
 def greedy_eval(policy, mc_games: int, timeout_s: float) -> dict:
