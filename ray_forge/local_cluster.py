@@ -61,10 +61,12 @@ class LocalCluster:
         self.dashboard = dashboard
         self.start_timeout_s = start_timeout_s
         bin_dir = Path(sys.executable).parent
-        # Ray 2.60 turns token auth on for `ray start` once ~/.ray/auth_token exists, while drivers
-        # and the `ray job` CLI default to no auth and cannot connect. This cluster listens on
-        # loopback only, so it runs without auth and anything on this machine can reach it.
-        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
+        # Nodes and drivers must agree on auth. Ray 2.60 turns token auth on for `ray start` once
+        # ~/.ray/auth_token exists, while a fresh driver defaults to none; and a process that ran
+        # ray.init has RAY_AUTH_MODE=token in its environment, which Ray reads at import. So the
+        # nodes take this process's mode, and no auth when it has none (they listen on loopback).
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0",
+                        RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"),
                         PATH=f"{bin_dir}:{os.environ['PATH']}", **(env or {}))
         self.env.pop("RAY_ADDRESS", None)
         self.ray = str(bin_dir / "ray")
