@@ -1,0 +1,1 @@
+"""Coding and math environments whose rewards come from executing code."""
