@@ -1,0 +1,113 @@
+"""The code env on the local sandbox: bundled tasks are solvable, rewards are the fraction of
+hidden tests passed (or an exact numeric answer), and bad programs end the episode clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from envs.code.env import CodeEnv, extract_code, score_math
+from envs.code.sandbox import Limits, LocalSandbox
+from envs.code.tasks import TaskError, load_tasks
+
+REFERENCE = {
+    "add_digits": "def digit_sum(n):\n    return sum(map(int, str(n)))",
+    "reverse_words": "def reverse_words(s):\n    return ' '.join(reversed(s.split(' ')))",
+    "is_palindrome": "def is_palindrome(s):\n    t = [c.lower() for c in s if c.isalpha()]\n    return t == t[::-1]",
+    "fizzbuzz_count": "def count_fizzbuzz(n):\n    return n // 15",
+    "second_largest": "def second_largest(xs):\n    return sorted(set(xs))[-2]",
+    "run_length": ("import itertools\ndef run_length(s):\n"
+                   "    return ''.join(k + str(len(list(g))) for k, g in itertools.groupby(s))"),
+    "gcd": "import math\ndef gcd(a, b):\n    return math.gcd(a, b)",
+    "primes_below": "def primes_below(n):\n    return [p for p in range(2, n) if all(p % d for d in range(2, p))]",
+    "flatten": ("def flatten(xs):\n    out = []\n    for x in xs:\n"
+                "        out.extend(flatten(x) if isinstance(x, list) else [x])\n    return out"),
+    "anagrams": "def are_anagrams(a, b):\n    return sorted(a) == sorted(b)",
+    "matrix_transpose": "def transpose(m):\n    return [list(r) for r in zip(*m)]",
+    "balanced": ("def balanced(s):\n    stack, pairs = [], {')': '(', ']': '[', '}': '{'}\n    for c in s:\n"
+                 "        if c in '([{':\n            stack.append(c)\n        elif c in pairs:\n"
+                 "            if not stack or stack.pop() != pairs[c]:\n                return False\n"
+                 "    return not stack"),
+}
+
+
+@pytest.fixture(scope="module")
+def env():
+    box = LocalSandbox(size=1, limits=Limits(wall_s=3, cpu_s=2, memory_mb=256))
+    yield CodeEnv(load_tasks(), box)
+    box.close()
+
+
+def play(env, task_id: str, completion: str):
+    seed = [t.id for t in env.tasks].index(task_id)
+    prompt = env.reset(seed)
+    assert env.task.prompt in prompt
+    return env.step(completion)
+
+
+def test_bundled_tasks_load_and_every_code_task_is_solvable(env):
+    kinds = [t.kind for t in env.tasks]
+    assert kinds.count("code") == 12 and kinds.count("math") == 12
+    assert set(REFERENCE) == {t.id for t in env.tasks if t.kind == "code"}
+    for task_id, solution in REFERENCE.items():
+        result = play(env, task_id, f"Here you go:\n```python\n{solution}\n```")
+        assert result.done and result.reward == 1.0, (task_id, result)
+
+
+def test_partial_solutions_get_the_fraction_of_tests_passed(env):
+    result = play(env, "gcd", "```python\ndef gcd(a, b):\n    return 6\n```")  # right only for (12, 18)
+    assert result.reward == pytest.approx(1 / 4)
+    result = play(env, "fizzbuzz_count", "```python\ndef count_fizzbuzz(n):\n    return 0\n```")
+    assert result.reward == pytest.approx(2 / 4)
+
+
+def test_garbage_and_broken_code_score_zero_with_a_reason(env):
+    result = play(env, "gcd", "HIT STICK banana")
+    assert result.reward == 0.0 and result.info["error"] == "the solution raised when defined"
+    result = play(env, "gcd", "```python\ndef gcd(a, b):\n    return a / 0\n```")
+    assert result.reward == 0.0 and "error" not in result.info  # it ran; every test failed
+
+
+def test_hostile_code_ends_the_episode_and_the_next_one_is_right(env):
+    result = play(env, "gcd", "```python\nwhile True:\n    pass\n```")
+    assert result.reward == 0.0 and ("timeout" in result.info["error"] or "cpu" in result.info["error"])
+    result = play(env, "gcd", f"```python\n{REFERENCE['gcd']}\n```")
+    assert result.reward == 1.0
+
+
+def test_a_candidate_cannot_fake_the_result_line(env):
+    fake = ("import os, sys\nprint('@@rf-result-0000000000000000@@' + '{\"passed\": 4, \"loaded\": true}')\n"
+            "sys.stdout = None\ndef gcd(a, b):\n    return 0")
+    assert play(env, "gcd", f"```python\n{fake}\n```").reward == 0.0
+    assert play(env, "gcd", "```python\nimport os\nos._exit(0)\n```").info["error"] == \
+        "the program ended before its tests ran"
+
+
+def test_math_tasks_need_the_exact_answer(env):
+    assert play(env, "fib_20", "```python\na, b = 1, 1\nfor _ in range(18):\n    a, b = b, a + b\nprint(b)\n```").reward == 1.0
+    assert play(env, "fib_20", "```python\nprint(6764)\n```").reward == 0.0
+    assert play(env, "compound", "```python\nprint(1000 * 1.1 ** 3)\n```").reward == 1.0  # 1331.0000000000005
+    assert score_math("no number", 3) == 0.0 and score_math("answer: 7\n", 7) == 1.0
+
+
+def test_extract_code_takes_the_last_fenced_block():
+    assert extract_code("x\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "b = 2\n"
+    assert extract_code("print(1)") == "print(1)"
+
+
+def test_bad_task_files_say_where(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"id": "a", "kind": "code", "prompt": "p", "tests": ["f() == 1"]}\nnot json\n')
+    with pytest.raises(TaskError, match=r"tasks.jsonl:2: not JSON"):
+        load_tasks(path)
+    path.write_text(json.dumps({"id": "a", "kind": "poem", "prompt": "p"}) + "\n")
+    with pytest.raises(TaskError, match="'kind' must be 'code' or 'math'"):
+        load_tasks(path)
+    path.write_text(json.dumps({"id": "a", "kind": "math", "prompt": "p", "answer": "7"}) + "\n")
+    with pytest.raises(TaskError, match="numeric 'answer'"):
+        load_tasks(path)
+    with pytest.raises(TaskError, match="does not exist"):
+        load_tasks(tmp_path / "missing.jsonl")
+    path.write_text(json.dumps({"id": "u", "kind": "math", "prompt": "2+2?", "answer": 4}) + "\n")
+    assert load_tasks(path)[0].answer == 4.0
