@@ -33,13 +33,14 @@ def extract_code(completion: str) -> str:
 def test_program(candidate: str, tests: tuple[str, ...], marker: str) -> str:
     """Candidate code, then each hidden test in isolation, then one marked result line.
 
-    The harness keeps its own references to ``os.write`` before the candidate runs, so replacing
-    print or sys.stdout does not fake a result. The marker is random per step and not in the
+    The harness keeps its own references to ``print`` and ``sys.stdout`` before the candidate
+    runs, so replacing either does not fake a result (and it works in Jupyter-like remote
+    interpreters, which capture ``sys.stdout`` rather than file descriptor 1). The marker is random per step and not in the
     prompt. (A candidate can still read this program's frames: trust the reward no more than a
     sandboxed unit-test run.)"""
     return "\n".join([
-        "import os as _rf_os, json as _rf_json",
-        "_rf_write, _rf_dumps = _rf_os.write, _rf_json.dumps",
+        "import sys as _rf_sys, json as _rf_json",
+        "_rf_print, _rf_out, _rf_dumps = print, _rf_sys.stdout, _rf_json.dumps",
         "_rf_ns = {'__name__': '__main__'}",
         "try:",
         f"    exec(compile({candidate!r}, '<solution>', 'exec'), _rf_ns)",
@@ -52,7 +53,7 @@ def test_program(candidate: str, tests: tuple[str, ...], marker: str) -> str:
         "        _rf_passed += bool(_rf_loaded and eval(_rf_test, _rf_ns))",
         "    except BaseException:",
         "        pass",
-        f"_rf_write(1, ('\\n{marker}' + _rf_dumps({{'passed': _rf_passed, 'loaded': _rf_loaded}}) + '\\n').encode())",
+        f"_rf_print('\\n{marker}' + _rf_dumps({{'passed': _rf_passed, 'loaded': _rf_loaded}}), file=_rf_out, flush=True)",
     ])
 
 
@@ -78,6 +79,8 @@ class CodeEnv:
 
     def reset(self, seed: int) -> str:
         self.task = self.tasks[seed % len(self.tasks)]
+        if hasattr(self.executor, "new_session"):  # a remote interpreter: one session per episode
+            self.executor.new_session()
         if self.task.kind == "code":
             return f"{self.task.prompt}\nAnswer with the function in a ```python block."
         return f"{self.task.prompt}\nWrite a Python program that prints the answer, in a ```python block."
