@@ -123,6 +123,23 @@ class BufferConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CodeEnvConfig:
+    """The code env (``env.name: code``): the model writes Python, tests give the reward."""
+
+    tasks: str = ""
+    """A JSONL file of tasks (see ``envs/code/tasks.py``); empty: the bundled set."""
+    backend: Literal["local", "together"] = "local"
+    """local: the sandbox on the env actor's node; together: Together's Code Interpreter
+    (TOGETHER_API_KEY from the environment or a Kubernetes Secret)."""
+    concurrency: int = 2
+    """Executions at once per env actor (sandbox interpreters, or requests in flight)."""
+    wall_s: float = 10.0
+    cpu_s: float = 5.0
+    memory_mb: int = 512
+    output_kb: int = 64
+
+
+@dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     name: str = "blackjack"
     num_actors: int = 1
@@ -133,6 +150,7 @@ class EnvConfig:
     max_turns: int = 12
     """A game still running after this many turns ends with the invalid-action penalty."""
     call_timeout_s: float = 120.0
+    code: CodeEnvConfig = field(default_factory=CodeEnvConfig)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -84,7 +85,9 @@ def start_actors(config: JobConfig, model_dir: str, store_name: str) -> Actors:
 def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, handles: list) -> Actors:
     kl = config.grpo.kl_coef > 0
     slots = pools.slots
-    envs = [EnvPoolActor.options(**slot.options(f"env-{i}")).remote(config.env.name, config.env.invalid_action_penalty)
+    options = dataclasses.asdict(config.env.code) if config.env.name == "code" else None
+    envs = [EnvPoolActor.options(**slot.options(f"env-{i}")).remote(config.env.name, config.env.invalid_action_penalty,
+                                                                    options)
             for i, slot in enumerate(slots["env"])]
     handles += envs
     action_words = get(envs[0].get_action_words.remote(), timeout_s=config.env.call_timeout_s, what="env-0")

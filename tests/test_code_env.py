@@ -4,6 +4,7 @@ hidden tests passed (or an exact numeric answer), and bad programs end the episo
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -111,3 +112,44 @@ def test_bad_task_files_say_where(tmp_path):
         load_tasks(tmp_path / "missing.jsonl")
     path.write_text(json.dumps({"id": "u", "kind": "math", "prompt": "2+2?", "answer": 4}) + "\n")
     assert load_tasks(path)[0].answer == 4.0
+
+
+HOSTILE = {"loop": "```python\nwhile True:\n    pass\n```",
+           "fork_bomb": "```python\nimport os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n```"}
+POOL_OPTIONS = {"concurrency": 2, "wall_s": 3.0, "cpu_s": 2.0, "memory_mb": 256}
+
+
+def _gcd_seed() -> int:
+    return [t.id for t in load_tasks()].index("gcd")
+
+
+def test_env_pool_runs_code_episodes_concurrently_and_survives_hostile_programs():
+    from ray_forge.actors.env_pool import EnvPool
+
+    pool = EnvPool("code", -1.0, POOL_OPTIONS)
+    assert pool.action_words is None
+    good = f"```python\n{REFERENCE['gcd']}\n```"
+    prompts = pool.reset(1, [_gcd_seed()] * 4)
+    assert all("gcd" in p for p in prompts)
+    start = time.monotonic()
+    results = pool.step(1, [0, 1, 2, 3], [good, HOSTILE["loop"], HOSTILE["fork_bomb"], good])
+    assert time.monotonic() - start < 2 * 3.0 + 4  # two at a time, each bounded by the wall clock
+    assert [r.reward for r in results] == [1.0, 0.0, 0.0, 1.0]
+    assert all(r.info.get("error") for r in results[1:3]) and all(r.done for r in results)
+    pool.reset(2, [_gcd_seed()] * 2)  # the next episodes are scored correctly
+    assert [r.reward for r in pool.step(2, [0, 1], [good, good])] == [1.0, 1.0]
+
+
+@pytest.mark.ray
+def test_the_env_actor_stays_alive_after_a_hostile_program(ray_cluster):
+    from ray_forge.actors.env_pool import EnvPoolActor
+
+    actor = EnvPoolActor.options(num_cpus=0).remote("code", -1.0, POOL_OPTIONS)
+    try:
+        ray_cluster.get(actor.reset.remote(1, [_gcd_seed()] * 2), timeout=120)
+        bad, good = ray_cluster.get(actor.step.remote(1, [0, 1], [HOSTILE["fork_bomb"],
+                                                                  f"```python\n{REFERENCE['gcd']}\n```"]), timeout=60)
+        assert bad.reward == 0.0 and bad.info["error"] and good.reward == 1.0
+        assert ray_cluster.get(actor.get_action_words.remote(), timeout=30) is None  # still answering
+    finally:
+        ray_cluster.kill(actor)

@@ -92,18 +92,26 @@ class _Zygote:
 class LocalSandbox:
     """``sandbox.execute(code) -> ExecResult``; thread-safe, ``size`` executions at once."""
 
-    def __init__(self, size: int = 2, limits: Limits = Limits(), base_uid: int = 61000,
+    def __init__(self, size: int = 2, limits: Limits = Limits(), base_uid: int | None = None,
                  start_timeout_s: float = 30.0, isolate: bool = True) -> None:
         """``isolate=False`` skips the root-only measures (uid, chroot, network namespace) even as
-        root, leaving the audit-hook fallback; tests use it to exercise that path."""
+        root, leaving the audit-hook fallback; tests use it to exercise that path.
+
+        Each interpreter runs its executions as its own uid, and ending an execution kills every
+        process of that uid, so no two sandboxes on a machine may share one: by default the uids
+        come from this process's pid."""
+        if not 1 <= size <= 16:
+            raise ValueError("a sandbox has 1 to 16 interpreters")
+        if base_uid is None:
+            base_uid = 200_000 + (os.getpid() % 100_000) * 16
         self.limits = limits
         self.root = tempfile.mkdtemp(prefix="ray_forge_sandbox_")
         os.chmod(self.root, 0o711)  # sandbox uids may enter their own directories, not list others
         self.start_timeout_s = start_timeout_s
         self._isolate = isolate
         self._idle: queue.Queue[tuple[int, _Zygote]] = queue.Queue()
-        self._uids = [base_uid + i for i in range(size)]
-        for slot, uid in enumerate(self._uids):
+        self.uids = [base_uid + i for i in range(size)]
+        for slot, uid in enumerate(self.uids):
             self._idle.put((slot, _Zygote(self.root, uid, start_timeout_s, isolate)))
         self.isolated = self._peek().info["isolated"]
         self.network_namespace = self._peek().info["network_namespace"]
@@ -125,7 +133,7 @@ class LocalSandbox:
         except (SandboxError, OSError, ValueError) as err:
             # The interpreter died or hung: replace it, and report this execution as failed.
             zygote.kill()
-            zygote = _Zygote(self.root, self._uids[slot], self.start_timeout_s, self._isolate)
+            zygote = _Zygote(self.root, self.uids[slot], self.start_timeout_s, self._isolate)
             reply = {"stdout": "", "stderr": "", "exit_code": None, "error": f"sandbox failure: {err}",
                      "seconds": 0.0}
         finally:
