@@ -193,6 +193,16 @@ def test_views_stay_valid_after_the_reader_moves_on(ray_cluster, peers, transpor
         store.destroy()
 
 
+def stalled_read(receiver, spec: StoreSpec, version: int, marker: Path, pause_s: float):
+    """Start a read that stops after its first bucket for ``pause_s``; returns once it has stopped."""
+    pending = receiver.slow_read.remote(spec, version, str(marker), pause_s)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the receiver never read its first bucket"
+    return pending
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("transport", ["shm", "object_store"])
 def test_the_sender_never_waits_for_a_slow_receiver(ray_cluster, peers, transport, tmp_path):
@@ -203,11 +213,7 @@ def test_the_sender_never_waits_for_a_slow_receiver(ray_cluster, peers, transpor
     store = WeightStore.create(spec_for(transport, keep_versions=2, timeout_s=30))
     try:
         ray_cluster.get(sender.put.remote(store.spec, 1, seed=1), timeout=60)
-        marker = tmp_path / "stalled"
-        stalled = receiver.slow_read.remote(store.spec, 1, str(marker), 4.0)
-        deadline = time.monotonic() + 60
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        stalled = stalled_read(receiver, store.spec, 1, tmp_path / "stalled", pause_s=4.0)
         start = time.monotonic()
         for version in (2, 3):
             ray_cluster.get(sender.put.remote(store.spec, version, seed=version), timeout=60)
@@ -229,12 +235,7 @@ def test_killing_the_sender_mid_transfer_fails_the_receiver_naming_it(ray_cluste
     sender = Sender.remote()  # its own: this one gets killed
     try:
         ray_cluster.get(sender.put.remote(store.spec, 1, seed=1), timeout=60)
-        marker = tmp_path / "first_bucket_read"
-        pending = receiver.slow_read.remote(store.spec, 1, str(marker), 3.0)
-        deadline = time.monotonic() + 60
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), "the receiver never read its first bucket"
+        pending = stalled_read(receiver, store.spec, 1, tmp_path / "first_bucket_read", pause_s=3.0)
         ray_cluster.kill(sender)
         start = time.monotonic()
         with pytest.raises(Exception) as info:

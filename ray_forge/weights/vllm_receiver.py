@@ -14,11 +14,14 @@ from ray_forge.weights.store import WeightStore
 class WeightReceiverExtension:
     def pull_weights(self, spec: StoreSpec, version: int) -> int:
         """Load ``version`` in place; returns how many tensors were loaded."""
+        store = getattr(self, "_rf_store", None)
+        if store is None or store.spec != spec:  # keep the client: it caches the controller's handle
+            store = self._rf_store = WeightStore(spec)
         loaded = 0
 
         def counted():
             nonlocal loaded
-            for pair in WeightStore(spec).iter_state_dict(version):
+            for pair in store.iter_state_dict(version):
                 loaded += 1
                 yield pair
 
