@@ -84,7 +84,7 @@ def test_fork_bomb_is_contained_and_leaves_nothing(sandbox):
     still_correct(sandbox)
 
 
-def test_background_process_does_not_outlive_the_execution(sandbox, tmp_path):
+def test_background_process_does_not_outlive_the_execution(sandbox):
     code = ("import os, time\npid = os.fork()\nif pid == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\n"
             "print('child', pid)")
     result = sandbox.execute(code)

@@ -209,9 +209,10 @@ def run(request: dict, root: str, uid: int | None) -> dict:
             os.killpg(pid, signal.SIGKILL)  # whatever it left in its session
         except ProcessLookupError:
             pass
-    stdout = _read(os.path.join(workdir, "stdout"), limits["output_bytes"])
+    out_path = os.path.join(workdir, "stdout")
+    stdout = _read(out_path, limits["output_bytes"])
     stderr = _read(os.path.join(workdir, "stderr"), limits["output_bytes"])
-    out_size = os.path.getsize(os.path.join(workdir, "stdout")) if os.path.exists(os.path.join(workdir, "stdout")) else 0
+    out_size = os.path.getsize(out_path) if os.path.exists(out_path) else 0
     shutil.rmtree(workdir, ignore_errors=True)
     exit_code, error = _classify(status, timed_out, stderr, out_size, limits)
     return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "error": error, "seconds": seconds}

@@ -111,16 +111,15 @@ class LocalSandbox:
         self._isolate = isolate
         self._idle: queue.Queue[tuple[int, _Zygote]] = queue.Queue()
         self.uids = [base_uid + i for i in range(size)]
-        for slot, uid in enumerate(self.uids):
-            self._idle.put((slot, _Zygote(self.root, uid, start_timeout_s, isolate)))
-        self.isolated = self._peek().info["isolated"]
-        self.network_namespace = self._peek().info["network_namespace"]
+        zygotes = [self._spawn(slot) for slot in range(size)]
+        for slot, zygote in enumerate(zygotes):
+            self._idle.put((slot, zygote))
+        self.isolated = zygotes[0].info["isolated"]
+        self.network_namespace = zygotes[0].info["network_namespace"]
         self._closed = False
 
-    def _peek(self) -> _Zygote:
-        slot, zygote = self._idle.get()
-        self._idle.put((slot, zygote))
-        return zygote
+    def _spawn(self, slot: int) -> _Zygote:
+        return _Zygote(self.root, self.uids[slot], self.start_timeout_s, self._isolate)
 
     def execute(self, code: str, limits: Limits | None = None) -> ExecResult:
         limits = limits or self.limits
@@ -133,7 +132,7 @@ class LocalSandbox:
         except (SandboxError, OSError, ValueError) as err:
             # The interpreter died or hung: replace it, and report this execution as failed.
             zygote.kill()
-            zygote = _Zygote(self.root, self.uids[slot], self.start_timeout_s, self._isolate)
+            zygote = self._spawn(slot)
             reply = {"stdout": "", "stderr": "", "exit_code": None, "error": f"sandbox failure: {err}",
                      "seconds": 0.0}
         finally:
