@@ -140,6 +140,20 @@ class CodeEnvConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OpenEnvConfig:
+    """An OpenEnv environment server (``env.name: openenv``), one WebSocket session per game."""
+
+    url: str = ""
+    """The server's base URL, e.g. http://127.0.0.1:8000 (ws:// also accepted)."""
+    codec: Literal["text", "openspiel_blackjack"] = "text"
+    """How observations become prompts and completions become actions. text: a ray_forge env
+    served by ``envs/openenv_server.py``; openspiel_blackjack: OpenEnv's OpenSpiel BlackJack."""
+    connect_timeout_s: float = 10.0
+    message_timeout_s: float = 60.0
+    """Longest wait for one reset or step answer."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     name: str = "blackjack"
     num_actors: int = 1
@@ -151,6 +165,7 @@ class EnvConfig:
     """A game still running after this many turns ends with the invalid-action penalty."""
     call_timeout_s: float = 120.0
     code: CodeEnvConfig = field(default_factory=CodeEnvConfig)
+    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
