@@ -148,6 +148,8 @@ class OpenEnvConfig:
     codec: Literal["text", "openspiel_blackjack"] = "text"
     """How observations become prompts and completions become actions. text: a ray_forge env
     served by ``envs/openenv_server.py``; openspiel_blackjack: OpenEnv's OpenSpiel BlackJack."""
+    concurrency: int = 8
+    """Games stepped at once per env actor (each game is its own session on the server)."""
     connect_timeout_s: float = 10.0
     message_timeout_s: float = 60.0
     """Longest wait for one reset or step answer."""
