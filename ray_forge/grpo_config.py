@@ -169,6 +169,13 @@ class EnvConfig:
     code: CodeEnvConfig = field(default_factory=CodeEnvConfig)
     openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
 
+    def options(self) -> dict | None:
+        """The named env's own section (``env.code``, ``env.openenv``) as a dict; None if it has none."""
+        from dataclasses import asdict, is_dataclass
+
+        section = getattr(self, self.name, None)
+        return asdict(section) if is_dataclass(section) else None
+
 
 @dataclass(frozen=True, kw_only=True)
 class GRPOConfig:

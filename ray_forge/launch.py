@@ -85,8 +85,7 @@ def start_actors(config: JobConfig, model_dir: str, store_name: str) -> Actors:
 def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, handles: list) -> Actors:
     kl = config.grpo.kl_coef > 0
     slots = pools.slots
-    section = getattr(config.env, config.env.name, None)  # the env's own options: env.code, env.openenv
-    options = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else None
+    options = config.env.options()
     envs = [EnvPoolActor.options(**slot.options(f"env-{i}")).remote(config.env.name, config.env.invalid_action_penalty,
                                                                     options)
             for i, slot in enumerate(slots["env"])]

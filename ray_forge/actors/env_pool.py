@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import ray
 
+from envs.registry import env_factory
 from ray_forge.env import StepResult, TextEnv
 
 log = logging.getLogger(__name__)
-
-
-def env_factory(name: str, invalid_action_penalty: float, options: dict | None = None) -> Callable[[], TextEnv]:
-    """The env registry (envs never import Ray, so the pool imports them). ``options`` are the
-    env's own config section (e.g. ``env.code``)."""
-    if name == "blackjack":
-        from envs.blackjack import BlackjackTextEnv
-
-        return lambda: BlackjackTextEnv(invalid_action_penalty=invalid_action_penalty)
-    if name == "code":
-        from envs.code import code_env_factory
-
-        return code_env_factory(**(options or {}))
-    raise ValueError(f"unknown env {name!r} (known: blackjack, code)")
 
 
 class EnvPool:
@@ -41,16 +27,22 @@ class EnvPool:
         self._penalty = invalid_action_penalty
         self._batches: dict[int, list[TextEnv]] = {}
         self._free: list[TextEnv] = []
-        self.action_words = self._make().action_words
-        # Envs that wait on execution (code) step in parallel; cheap envs step in this thread.
+        first = self._make()
+        self.action_words = first.action_words
+        self._free.append(first)
+        # Envs that wait on execution or a server (code, openenv) run in parallel; cheap envs
+        # run in this thread.
         concurrency = (options or {}).get("concurrency", 1)
         self._threads = ThreadPoolExecutor(concurrency) if concurrency > 1 else None
+
+    def _map(self, fn, *iterables) -> list:
+        return list(self._threads.map(fn, *iterables)) if self._threads else list(map(fn, *iterables))
 
     def reset(self, key: int, seeds: list[int]) -> list[str]:
         self.release(key)
         envs = [self._free.pop() if self._free else self._make() for _ in seeds]
         self._batches[key] = envs
-        return [env.reset(seed) for env, seed in zip(envs, seeds)]
+        return self._map(lambda env, seed: env.reset(seed), envs, seeds)
 
     def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
         envs = self._batches[key]
@@ -64,12 +56,19 @@ class EnvPool:
 
         if len(slots) != len(actions):
             raise ValueError(f"{len(slots)} slots but {len(actions)} actions")
-        if self._threads is None:
-            return [one(slot, action) for slot, action in zip(slots, actions)]
-        return list(self._threads.map(one, slots, actions))
+        return self._map(one, slots, actions)
 
     def release(self, key: int) -> None:
         self._free.extend(self._batches.pop(key, []))
+
+    def close(self) -> None:
+        """Frees what envs hold outside this process (an OpenEnv server's sessions)."""
+        for key in list(self._batches):
+            self.release(key)
+        for env in self._free:
+            if hasattr(env, "close"):
+                env.close()
+        self._free.clear()
 
     def get_action_words(self) -> tuple[str, ...] | None:
         return self.action_words
