@@ -246,6 +246,17 @@ class JobConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
+    def roles(self) -> dict[str, list[Resources]]:
+        """The resources of every actor the job places, by role (the reference only with KL)."""
+        roles = {
+            "policy": [self.policy.resources] * self.policy.num_replicas,
+            "trainer": [self.trainer.resources] * self.trainer.num_ranks,
+            "env": [self.env.resources] * self.env.num_actors,
+        }
+        if self.grpo.kl_coef > 0:
+            roles["reference"] = [self.reference.resources]
+        return roles
+
     def __post_init__(self) -> None:
         from ray_forge.config import ConfigError
 

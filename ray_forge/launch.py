@@ -63,15 +63,7 @@ def _threads(num_cpus: float) -> int:
 
 def start_actors(config: JobConfig, model_dir: str, store_name: str) -> Actors:
     """Create all actors at once (their start-ups overlap), then wait for them to be ready."""
-    kl = config.grpo.kl_coef > 0
-    roles = {
-        "policy": [config.policy.resources] * config.policy.num_replicas,
-        "trainer": [config.trainer.resources] * config.trainer.num_ranks,
-        "env": [config.env.resources] * config.env.num_actors,
-    }
-    if kl:
-        roles["reference"] = [config.reference.resources]
-    pools = Pools(config.cluster, roles)
+    pools = Pools(config.cluster, config.roles())
     handles: list = []
     try:
         return _start_on(pools, config, model_dir, store_name, handles)
