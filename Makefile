@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: venv
-	$(BIN)/python jobs/blackjack_grpo.py --config jobs/configs/blackjack_tiny.yaml $(ARGS)
+	$(BIN)/python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q -ra tests $(ARGS)

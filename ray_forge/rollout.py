@@ -18,6 +18,8 @@ class RolloutSettings:
     invalid_action_penalty: float
     policy_timeout_s: float
     env_timeout_s: float
+    greedy: bool = False
+    """Play the policy's most likely completion instead of sampling (evaluation)."""
 
 
 async def play_groups(policy, policy_name: str, env_pool, env_name: str, groups: list[tuple[int, int]],
@@ -40,7 +42,7 @@ async def play_groups(policy, policy_name: str, env_pool, env_name: str, groups:
         if not active:
             break
         completions: list[Turn] = await call(
-            policy.generate.remote([observations[i] for i in active]),
+            policy.generate.remote([observations[i] for i in active], settings.greedy),
             timeout_s=settings.policy_timeout_s, what=f"{policy_name}.generate")
         results = await call(env_pool.step.remote(key, active, [c.text for c in completions]),
                              timeout_s=settings.env_timeout_s, what=f"{env_name}.step")

@@ -20,11 +20,11 @@ SHORT = ["run.steps=3", "run.eval_every=3", "run.eval_mc_games=500", "grpo.games
 @pytest.fixture(scope="module")
 def finished_run(ray_cluster, tmp_path_factory):
     sys.path.insert(0, str(ROOT / "jobs"))
-    import blackjack_grpo
+    import grpo
 
     out = tmp_path_factory.mktemp("runs")
-    summary = blackjack_grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"),
-                                   f"run.output_dir={out}", *SHORT])
+    summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"),
+                         f"run.output_dir={out}", *SHORT])
     return summary, Path(summary["run_dir"])
 
 
@@ -88,16 +88,16 @@ def test_eval_job_prints_json_last_line(finished_run):
 
 
 def test_missing_model_path_fails_fast_with_the_path(tmp_path):
-    import blackjack_grpo
+    import grpo
 
     from ray_forge.models import ModelError
 
     with pytest.raises(ModelError, match="does not exist"):
-        blackjack_grpo.main([f"run.output_dir={tmp_path}", f"model.path={tmp_path / 'missing'}"])
+        grpo.main([f"run.output_dir={tmp_path}", f"model.path={tmp_path / 'missing'}"])
 
 
 def test_bad_override_fails_before_anything_starts(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "jobs/blackjack_grpo.py"), "trainer.lrr=1"],
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs/grpo.py"), "trainer.lrr=1"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0
     assert "unknown config key 'trainer.lrr'" in proc.stderr

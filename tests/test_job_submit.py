@@ -35,7 +35,7 @@ def head_node():
 def test_ray_job_submit_runs_the_job(head_node, tmp_path):
     address, env = head_node
     cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
-           "python", "jobs/blackjack_grpo.py", "--config", "jobs/configs/blackjack_tiny.yaml",
+           "python", "jobs/grpo.py", "--config", "jobs/configs/blackjack_tiny.yaml",
            "run.steps=2", "run.eval_every=2", "run.eval_mc_games=200", "grpo.games_per_step=64",
            f"run.output_dir={tmp_path}", "model.tiny.num_layers=2", "policy.kv_cache_mb=64"]
     # The head's job agent can register a minute or more after the job API answers on a busy

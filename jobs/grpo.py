@@ -1,13 +1,18 @@
-"""GRPO teaching an LLM to play BlackJack, on Ray, with vLLM policies and a TorchTitan trainer.
+"""GRPO post-training of an LLM on a text env (BlackJack, or coding and math tasks), on Ray,
+with vLLM policies and a TorchTitan trainer.
 
 Local (starts an embedded Ray cluster; dashboard at http://127.0.0.1:8265):
-    python jobs/blackjack_grpo.py --config jobs/configs/blackjack_tiny.yaml run.steps=60 trainer.lr=3e-5
+    python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml run.steps=60 trainer.lr=3e-5
+    python jobs/grpo.py --config jobs/configs/code_tiny.yaml
 Against a running cluster:
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
-        python jobs/blackjack_grpo.py --config jobs/configs/blackjack_tiny.yaml run.steps=5
+        python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml run.steps=5
 
 Flow: config -> actors -> rollout and training loops running concurrently -> weight push after
-every step -> periodic exact evaluation -> final policy saved as an HF folder -> shutdown.
+every step -> periodic greedy evaluation -> final policy saved as an HF folder -> shutdown.
+The env (``env.name``) decides two things only, in ``HOOKS``: the texts a tiny model's tokenizer
+is trained on, and the evaluation (BlackJack: exact return of the greedy decision table; code:
+greedy pass rate over every task, scored by the env pool's sandbox).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import ray
 import yaml
@@ -28,9 +34,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from envs.blackjack import BlackjackTextEnv, evaluate  # noqa: E402
+from envs.code.env import CodeEnv  # noqa: E402
+from envs.code.tasks import BUNDLED, load_tasks  # noqa: E402
 from ray_forge import cluster  # noqa: E402
 from ray_forge.batch import groups_to_samples  # noqa: E402
-from ray_forge.config import load_config, to_dict  # noqa: E402
+from ray_forge.config import ConfigError, load_config, to_dict  # noqa: E402
+from ray_forge.evaluation import greedy_pass_rate  # noqa: E402
 from ray_forge.grpo_config import JobConfig  # noqa: E402
 from ray_forge.launch import Actors, start_actors  # noqa: E402
 from ray_forge.metrics import MetricsLog  # noqa: E402
@@ -38,7 +47,7 @@ from ray_forge.models import check_model_dir, make_tiny_qwen3  # noqa: E402
 from ray_forge.remote import call, get  # noqa: E402
 from ray_forge.rollout import RolloutSettings, play_groups  # noqa: E402
 
-log = logging.getLogger("blackjack_grpo")
+log = logging.getLogger("grpo")
 
 
 @dataclasses.dataclass
@@ -51,6 +60,12 @@ class LoopState:
     rollout_seconds: float = 0.0
 
 
+def rollout_settings(config: JobConfig) -> RolloutSettings:
+    return RolloutSettings(group_size=config.grpo.group_size, max_turns=config.env.max_turns,
+                           invalid_action_penalty=config.env.invalid_action_penalty,
+                           policy_timeout_s=config.policy.call_timeout_s, env_timeout_s=config.env.call_timeout_s)
+
+
 async def rollout_loop(config: JobConfig, actors: Actors, state: LoopState) -> None:
     """Consumes the policy engines and env pools; produces scored GRPO groups into the buffer.
 
@@ -58,9 +73,7 @@ async def rollout_loop(config: JobConfig, actors: Actors, state: LoopState) -> N
     keeps playing during a train step but never far ahead of the weights. Stops when
     ``state.stop`` is set, after the batch in play.
     """
-    settings = RolloutSettings(group_size=config.grpo.group_size, max_turns=config.env.max_turns,
-                               invalid_action_penalty=config.env.invalid_action_penalty,
-                               policy_timeout_s=config.policy.call_timeout_s, env_timeout_s=config.env.call_timeout_s)
+    settings = rollout_settings(config)
     num_groups = config.grpo.games_per_step // config.grpo.group_size
     num_chunks = max(len(actors.policies), len(actors.envs))
     batch = 0
@@ -110,19 +123,58 @@ async def push_weights(config: JobConfig, actors: Actors, version: int) -> dict[
     return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s, "weight_load_s": max(load_s)}
 
 
-def greedy_eval(policy, mc_games: int, timeout_s: float) -> dict:
-    """Exact return (and optionally Monte Carlo) of the policy's greedy decision table."""
+async def blackjack_eval(config: JobConfig, actors: Actors, mc_games: int) -> tuple[dict, dict]:
+    """Exact return (and optionally Monte Carlo) of policy-0's greedy decision table."""
     def decide(prompts: list[str]) -> list[str]:
-        return [c.text for c in get(policy.generate.remote(prompts, True), timeout_s=timeout_s,
-                                    what="policy-0.generate")]
-    return evaluate(decide, mc_games=mc_games)
+        return [c.text for c in get(actors.policies[0].generate.remote(prompts, True),
+                                    timeout_s=config.policy.call_timeout_s, what="policy-0.generate")]
+    result = await asyncio.get_running_loop().run_in_executor(None, lambda: evaluate(decide, mc_games=mc_games))
+    return result, dict(eval_return=result["exact_return"], eval_agreement=result["agreement"])
 
 
-async def train(config: JobConfig, actors: Actors, run_dir: Path) -> dict:
+async def code_eval(config: JobConfig, actors: Actors, mc_games: int) -> tuple[dict, dict]:
+    """Greedy pass rate of policy-0 over every task, scored by env-0's sandbox as in training."""
+    result = await greedy_pass_rate(actors.policies[0], actors.envs[0], load_tasks(config.env.code.tasks or BUNDLED),
+                                    rollout_settings(config))
+    return result, {f"eval_{name}": value for name, value in result.items() if isinstance(value, float)}
+
+
+def code_corpus(config: JobConfig) -> list[str]:
+    """The prompts exactly as the code env shows them (showing one runs nothing), and the tests'
+    Python expressions."""
+    tasks = load_tasks(config.env.code.tasks or BUNDLED)
+    env = CodeEnv(tasks, executor=None)
+    return [env.reset(i) for i in range(len(tasks))] + [test for task in tasks for test in task.tests]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvHooks:
+    """What the driver does differently per env."""
+
+    corpus: Callable[[JobConfig], list[str]]
+    """Texts the tiny model's tokenizer is trained on (``model.path`` empty)."""
+    evaluate: Callable[[JobConfig, Actors, int], Awaitable[tuple[dict, dict]]]
+    """Greedy evaluation of policy-0 (with this many Monte-Carlo games where the env has them):
+    the full result, and its metrics-row fields (``eval_return`` is what ``keep_best`` maximises)."""
+
+
+HOOKS = {
+    "blackjack": EnvHooks(corpus=lambda config: BlackjackTextEnv.corpus(), evaluate=blackjack_eval),
+    "code": EnvHooks(corpus=code_corpus, evaluate=code_eval),
+}
+
+
+def env_hooks(config: JobConfig) -> EnvHooks:
+    if config.env.name not in HOOKS:
+        raise ConfigError(f"jobs/grpo.py has no evaluation for env.name={config.env.name!r} "
+                          f"(known: {', '.join(HOOKS)})")
+    return HOOKS[config.env.name]
+
+
+async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, run_dir: Path) -> dict:
     state = LoopState()
     metrics = MetricsLog(run_dir, config.run.steps, progress=config.run.progress)
     rollout = asyncio.create_task(rollout_loop(config, actors, state))
-    loop = asyncio.get_running_loop()
     best: dict = {}
     try:
         for step in range(1, config.run.steps + 1):
@@ -140,11 +192,10 @@ async def train(config: JobConfig, actors: Actors, run_dir: Path) -> dict:
             row = dict(**batch_stats, **train_stats, **sync, policy_lag=policy_lag,
                        tokens_per_s=state.generated_tokens / max(state.rollout_seconds, 1e-9))
             if config.run.eval_every and (step % config.run.eval_every == 0 or step == config.run.steps):
-                result = await loop.run_in_executor(None, greedy_eval, actors.policies[0], 0,
-                                                    config.policy.call_timeout_s)
-                row.update(eval_return=result["exact_return"], eval_agreement=result["agreement"])
-                if config.run.keep_best and result["exact_return"] > best.get("exact_return", float("-inf")):
-                    best = dict(result, step=step)
+                _, eval_row = await hooks.evaluate(config, actors, 0)
+                row.update(eval_row)
+                if config.run.keep_best and eval_row["eval_return"] > best.get("eval_return", float("-inf")):
+                    best = dict(eval_row, step=step)
                     await save_policy(actors, run_dir / "best_policy")
             row["step_time_s"] = time.monotonic() - step_start
             metrics.log(step, **row)
@@ -168,10 +219,10 @@ async def save_policy(actors: Actors, out_dir: Path) -> None:
             shutil.copy2(item, out_dir / item.name)
 
 
-def prepare_model(config: JobConfig, run_dir: Path) -> str:
+def prepare_model(config: JobConfig, hooks: EnvHooks, run_dir: Path) -> str:
     if config.model.path:
         return str(check_model_dir(config.model.path))
-    return str(make_tiny_qwen3(run_dir / "initial_model", BlackjackTextEnv.corpus(), config.model.tiny))
+    return str(make_tiny_qwen3(run_dir / "initial_model", hooks.corpus(config), config.model.tiny))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -181,25 +232,26 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = load_config(JobConfig, args.config, args.overrides)
+    hooks = env_hooks(config)
     run_dir = Path(config.run.output_dir) / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     log.info("run directory: %s", run_dir.resolve())
-    model_dir = prepare_model(config, run_dir)
+    model_dir = prepare_model(config, hooks, run_dir)
     started_ray = cluster.connect(config.cluster, namespace=run_dir.name)
     actors = None
     try:
         actors = start_actors(config, model_dir, store_name=run_dir.name)
-        best = asyncio.run(train(config, actors, run_dir))
+        best = asyncio.run(train(config, hooks, actors, run_dir))
         asyncio.run(save_policy(actors, run_dir / "final_policy"))
-        final = greedy_eval(actors.policies[0], config.run.eval_mc_games, config.policy.call_timeout_s)
+        final, _ = asyncio.run(hooks.evaluate(config, actors, config.run.eval_mc_games))
         versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
         summary = dict(final, run_dir=str(run_dir), steps=config.run.steps, policy_versions=versions,
                        weight_transport=actors.store.spec.transport,
-                       best_exact_return=best.get("exact_return"), best_step=best.get("step"))
+                       best_eval_return=best.get("eval_return"), best_step=best.get("step"))
         (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
         log.info("final policy: %s", run_dir / "final_policy")
-        print(json.dumps({k: v for k, v in summary.items() if k != "decisions"}))
+        print(json.dumps({k: v for k, v in summary.items() if k not in ("decisions", "tasks")}))
         return summary
     finally:
         if actors is not None:
