@@ -34,6 +34,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from envs.blackjack import BlackjackTextEnv, evaluate  # noqa: E402
+from envs.blackjack.plots import run_pictures  # noqa: E402
 from envs.code.env import CodeEnv  # noqa: E402
 from envs.code.tasks import BUNDLED, load_tasks  # noqa: E402
 from ray_forge import cluster  # noqa: E402
@@ -42,8 +43,9 @@ from ray_forge.config import ConfigError, load_config, to_dict  # noqa: E402
 from ray_forge.evaluation import greedy_pass_rate  # noqa: E402
 from ray_forge.grpo_config import JobConfig  # noqa: E402
 from ray_forge.launch import Actors, start_actors  # noqa: E402
-from ray_forge.metrics import MetricsLog  # noqa: E402
+from ray_forge.metrics import MetricsLog, read_metrics  # noqa: E402
 from ray_forge.models import check_model_dir, make_tiny_qwen3  # noqa: E402
+from ray_forge.plots import learning_curve_png  # noqa: E402
 from ray_forge.remote import call, get  # noqa: E402
 from ray_forge.rollout import RolloutSettings, play_groups  # noqa: E402
 
@@ -57,6 +59,7 @@ class LoopState:
     trainer_version: int = 0
     stop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     generated_tokens: int = 0
+    played_games: int = 0
     rollout_seconds: float = 0.0
 
 
@@ -93,6 +96,7 @@ async def rollout_loop(config: JobConfig, actors: Actors, state: LoopState) -> N
         await call(actors.buffer.add.remote(played), timeout_s=60, what="buffer.add")
         state.rollout_seconds += time.monotonic() - start
         state.generated_tokens += sum(len(t.response_ids) for g in played for e in g for t in e.turns)
+        state.played_games += sum(len(g) for g in played)
         batch += 1
 
 
@@ -156,19 +160,26 @@ class EnvHooks:
     evaluate: Callable[[JobConfig, Actors, int], Awaitable[tuple[dict, dict]]]
     """Greedy evaluation of policy-0 (with this many Monte-Carlo games where the env has them):
     the full result, and its metrics-row fields (``eval_return`` is what ``keep_best`` maximises)."""
+    pictures: Callable[[Path, list[dict], dict], list[Path]]
+    """PNGs written at the end of a run, from its metrics rows and final evaluation."""
 
 
 HOOKS = {
-    "blackjack": EnvHooks(corpus=lambda config: BlackjackTextEnv.corpus(), evaluate=blackjack_eval),
-    "code": EnvHooks(corpus=code_corpus, evaluate=code_eval),
+    "blackjack": EnvHooks(corpus=lambda config: BlackjackTextEnv.corpus(), evaluate=blackjack_eval,
+                          pictures=lambda run_dir, rows, final: run_pictures(run_dir, rows, final["decisions"])),
+    "code": EnvHooks(corpus=code_corpus, evaluate=code_eval,
+                     pictures=lambda run_dir, rows, final: [
+                         learning_curve_png(rows, run_dir / "learning_curve.png", "coding and math tasks")]),
 }
 
 
 def env_hooks(config: JobConfig) -> EnvHooks:
-    if config.env.name not in HOOKS:
+    # An OpenEnv server is evaluated as what it plays.
+    name = config.env.openenv.kind if config.env.name == "openenv" else config.env.name
+    if name not in HOOKS:
         raise ConfigError(f"jobs/grpo.py has no evaluation for env.name={config.env.name!r} "
-                          f"(known: {', '.join(HOOKS)})")
-    return HOOKS[config.env.name]
+                          f"(known: {', '.join(HOOKS)}, openenv)")
+    return HOOKS[name]
 
 
 async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, run_dir: Path) -> dict:
@@ -189,8 +200,10 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, run_dir: Pat
             policy_lag = state.trainer_version - batch_stats["sample_policy_version"]
             state.trainer_version = step
             sync = await push_weights(config, actors, step)
+            rollout_s = max(state.rollout_seconds, 1e-9)
             row = dict(**batch_stats, **train_stats, **sync, policy_lag=policy_lag,
-                       tokens_per_s=state.generated_tokens / max(state.rollout_seconds, 1e-9))
+                       tokens_per_s=state.generated_tokens / rollout_s, episodes_per_s=state.played_games / rollout_s,
+                       buffer_size=await call(actors.buffer.num_games.remote(), timeout_s=60, what="buffer.num_games"))
             if config.run.eval_every and (step % config.run.eval_every == 0 or step == config.run.steps):
                 _, eval_row = await hooks.evaluate(config, actors, 0)
                 row.update(eval_row)
@@ -246,8 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
         asyncio.run(save_policy(actors, run_dir / "final_policy"))
         final, _ = asyncio.run(hooks.evaluate(config, actors, config.run.eval_mc_games))
         versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
+        pictures = hooks.pictures(run_dir, read_metrics(run_dir / "metrics.jsonl"), final)
         summary = dict(final, run_dir=str(run_dir), steps=config.run.steps, policy_versions=versions,
-                       weight_transport=actors.store.spec.transport,
+                       weight_transport=actors.store.spec.transport, pictures=[str(p) for p in pictures],
                        best_eval_return=best.get("eval_return"), best_step=best.get("step"))
         (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
         log.info("final policy: %s", run_dir / "final_policy")

@@ -1,8 +1,12 @@
 """The real BlackJack job, short: vLLM + TorchTitan + reference + weight push, end to end, then the eval job."""
 
 import json
+import re
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,14 +21,57 @@ SHORT = ["run.steps=3", "run.eval_every=3", "run.eval_mc_games=500", "grpo.games
          "cluster.include_dashboard=false", "policy.kv_cache_mb=64"]
 
 
+class MetricsScraper(threading.Thread):
+    """Polls the node's Prometheus endpoint while the job runs, keeping the latest value of every
+    ``ray_forge_*`` series per run tag, as a Prometheus server scraping the node would."""
+
+    LINE = re.compile(r'^ray_forge_(\w+)\{[^}]*\brun="([^"]+)"[^}]*\} (\S+)$', re.MULTILINE)
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.seen, self.scrapes = url, {}, 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            try:
+                text = urllib.request.urlopen(self.url, timeout=10).read().decode()
+            except OSError:
+                continue
+            self.scrapes += 1
+            for name, run, value in self.LINE.findall(text):
+                self.seen.setdefault(run, {})[name] = float(value)
+
+
+def last_logged(run_dir: Path) -> dict[str, float]:
+    """The last value the run logged for each exported metric."""
+    from ray_forge.metrics import EXPORTED
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {key: float(next(r[key] for r in reversed(rows) if r.get(key) is not None)) for key in EXPORTED}
+
+
 @pytest.fixture(scope="module")
 def finished_run(ray_cluster, tmp_path_factory):
     sys.path.insert(0, str(ROOT / "jobs"))
     import grpo
 
+    node = next(n for n in ray_cluster.nodes() if n["Alive"])
+    scraper = MetricsScraper(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics")
+    scraper.start()
     out = tmp_path_factory.mktemp("runs")
-    summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"),
-                         f"run.output_dir={out}", *SHORT])
+    try:
+        summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"),
+                             f"run.output_dir={out}", *SHORT])
+        # The exporter publishes every few seconds: give the last step's values time to arrive.
+        want = last_logged(Path(summary["run_dir"]))
+        deadline = time.monotonic() + 30
+        while scraper.seen.get(Path(summary["run_dir"]).name) != want and time.monotonic() < deadline:
+            time.sleep(1)
+    finally:
+        scraper.done.set()
+        scraper.join(timeout=30)
+    summary["_scraped"] = scraper.seen.get(Path(summary["run_dir"]).name, {})
     return summary, Path(summary["run_dir"])
 
 
@@ -101,3 +148,31 @@ def test_bad_override_fails_before_anything_starts(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0
     assert "unknown config key 'trainer.lrr'" in proc.stderr
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk."""
+    import struct
+
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return struct.unpack(">II", head[16:24])
+
+
+def test_job_draws_its_learning_curve_and_decision_table(finished_run):
+    summary, run_dir = finished_run
+    pictures = {Path(p).name: Path(p) for p in summary["pictures"]}
+    assert set(pictures) == {"learning_curve.png", "decision_table.png"}
+    assert png_size(pictures["learning_curve.png"]) == (1200, 800)
+    assert png_size(pictures["decision_table.png"]) == (1200, 1000)
+    for path in pictures.values():
+        assert path.parent == run_dir and path.stat().st_size > 20_000  # drawn, not a blank canvas
+
+
+def test_step_metrics_reach_rays_metrics_endpoint(finished_run):
+    """During the run, the driver's gauges could be read from the node's metrics endpoint (what
+    Prometheus scrapes for Grafana and the dashboard), each holding the step's logged value."""
+    summary, run_dir = finished_run
+    assert summary["_scraped"] == pytest.approx(last_logged(run_dir), rel=1e-5, abs=1e-6)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["buffer_size"] >= 0 and rows[-1]["episodes_per_s"] > 0

@@ -31,3 +31,16 @@ def test_learning_curve_table(tmp_path):
     table = learning_curve.curve_table(tmp_path)
     assert "| 2 | 128 | 0:00 | -0.0612 | 0.900 |" in table
     assert "exact return **-0.0600**" in table
+
+
+def test_the_grafana_dashboard_charts_every_exported_metric():
+    import json
+    import re
+
+    from ray_forge.metrics import EXPORTED
+
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "cluster/grafana-dashboard.json").read_text())
+    charted = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"ray_forge_(\w+)\{", t["expr"])}
+    assert charted == set(EXPORTED)
+    assert all('run=~"$run"' in t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "run"}
