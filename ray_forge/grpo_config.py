@@ -155,6 +155,9 @@ class OpenEnvConfig:
     codec: Literal["text", "openspiel_blackjack"] = "text"
     """How observations become prompts and completions become actions. text: a ray_forge env
     served by ``envs/openenv_server.py``; openspiel_blackjack: OpenEnv's OpenSpiel BlackJack."""
+    kind: Literal["blackjack", "code"] = "blackjack"
+    """What the server plays, for the job's evaluation and a tiny model's tokenizer: BlackJack
+    (OpenSpiel's, or ray_forge's served) or the coding and math tasks."""
     concurrency: int = 8
     """Games stepped at once per env actor (each game is its own session on the server)."""
     connect_timeout_s: float = 10.0

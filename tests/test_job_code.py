@@ -54,6 +54,8 @@ def test_job_writes_metrics_evaluations_and_a_final_policy(finished_run):
     for folder in ("final_policy", "best_policy"):
         for name in ("config.json", "tokenizer.json", "model.safetensors"):
             assert (run_dir / folder / name).is_file(), (folder, name)
+    assert summary["pictures"] == [str(run_dir / "learning_curve.png")]
+    assert (run_dir / "learning_curve.png").stat().st_size > 20_000
 
 
 def test_final_evaluation_scored_every_task_in_the_sandbox(finished_run):

@@ -1,0 +1,63 @@
+"""PNG figures written at the end of a run (matplotlib's object API: no display, no pyplot state)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SIZE_IN, DPI = (12.0, 8.0), 100  # 1200 x 800 px
+
+
+def figure(size_in: tuple[float, float] = SIZE_IN):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=size_in, dpi=DPI, layout="constrained")
+
+
+def save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def _smooth(values: np.ndarray, window: int) -> np.ndarray:
+    if len(values) < window:
+        return values
+    kernel = np.ones(window) / window
+    head = np.array([values[: i + 1].mean() for i in range(window - 1)])
+    return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
+
+
+def learning_curve_png(rows: list[dict[str, Any]], path: str | Path, title: str = "",
+                       references: dict[str, float] | None = None) -> Path:
+    """Train reward (raw and smoothed) and evaluation return per step; agreement or loss below.
+
+    ``references`` draws labelled horizontal lines (e.g. the optimal policy's return)."""
+    fig = figure()
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    steps = np.array([r["step"] for r in rows])
+    reward = np.array([r.get("train_reward", np.nan) for r in rows], dtype=float)
+    top.plot(steps, reward, color="tab:blue", alpha=0.3, lw=1, label="train reward (step mean)")
+    top.plot(steps, _smooth(reward, max(1, len(rows) // 20)), color="tab:blue", lw=2, label="train reward (smoothed)")
+    evals = [(r["step"], r["eval_return"]) for r in rows if r.get("eval_return") is not None]
+    if evals:
+        top.plot(*zip(*evals), "o-", color="tab:green", lw=2, label="greedy policy return (eval)")
+    for i, (name, value) in enumerate((references or {}).items()):
+        top.axhline(value, ls="--", lw=1.2, color=f"C{3 + i}", label=name)
+    top.set_ylabel("return per game")
+    top.legend(loc="lower right")
+    top.grid(alpha=0.3)
+    agreement = [(r["step"], r["eval_agreement"]) for r in rows if r.get("eval_agreement") is not None]
+    if agreement:
+        bottom.plot(*zip(*agreement), "o-", color="tab:purple", lw=2)
+        bottom.set_ylabel("agreement with optimal")
+        bottom.set_ylim(0, 1)
+    else:
+        bottom.plot(steps, [r.get("loss", np.nan) for r in rows], color="tab:red")
+        bottom.set_ylabel("loss")
+    bottom.set_xlabel("training step")
+    bottom.grid(alpha=0.3)
+    fig.suptitle(title or "learning curve")
+    return save(fig, path)
