@@ -192,8 +192,9 @@ class OpenEnvTextEnv:
             raise OpenEnvError(f"OpenEnv server {self.url}: {what} failed: {reason}") from err
 
 
-def openenv_factory(url: str = "", codec: str = "text", concurrency: int = 8, connect_timeout_s: float = 10.0,
-                    message_timeout_s: float = 60.0, invalid_action_penalty: float = -1.0
-                    ) -> Callable[[], OpenEnvTextEnv]:
-    """A maker of envs, each its own session on the server (``concurrency`` is the pool's)."""
+def openenv_factory(url: str = "", codec: str = "text", kind: str = "blackjack", concurrency: int = 8,
+                    connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0,
+                    invalid_action_penalty: float = -1.0) -> Callable[[], OpenEnvTextEnv]:
+    """A maker of envs, each its own session on the server (``kind`` is the job's evaluation and
+    ``concurrency`` the pool's threads: ``env.openenv`` is passed whole)."""
     return lambda: OpenEnvTextEnv(url, codec, invalid_action_penalty, connect_timeout_s, message_timeout_s)

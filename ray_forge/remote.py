@@ -19,7 +19,7 @@ async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> Any:
     except asyncio.TimeoutError:
         raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s") from None
     except ray.exceptions.RayActorError as err:
-        raise RemoteCallError(f"{what} failed: the actor died ({err.__class__.__name__})") from err
+        raise _died(what, err) from err
 
 
 def get(ref: ray.ObjectRef | list[ray.ObjectRef], *, timeout_s: float, what: str) -> Any:
@@ -29,4 +29,11 @@ def get(ref: ray.ObjectRef | list[ray.ObjectRef], *, timeout_s: float, what: str
     except ray.exceptions.GetTimeoutError:
         raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s") from None
     except ray.exceptions.RayActorError as err:
-        raise RemoteCallError(f"{what} failed: the actor died ({err.__class__.__name__})") from err
+        raise _died(what, err) from err
+
+
+def _died(what: str, err: Exception) -> RemoteCallError:
+    """Name the cause: an actor whose constructor raised ends its message with that error."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    cause = lines[-1] if lines and "Error" in lines[-1].split(":")[0] else err.__class__.__name__
+    return RemoteCallError(f"{what} failed: the actor died ({cause})")

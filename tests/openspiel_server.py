@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
     app = create_app(OpenSpielBlackjack, OpenSpielAction, OpenSpielObservation, env_name="openspiel_env",
-                     max_concurrent_envs=64)
+                     max_concurrent_envs=256)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

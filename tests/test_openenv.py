@@ -6,6 +6,7 @@ served over OpenEnv are driven by OpenEnv's own client.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -239,3 +240,27 @@ def test_openenv_client_runs_code_in_the_served_code_env():
         assert stuck.done and stuck.reward == 0.0 and stuck.observation["error"].startswith("timeout")
         client.reset(seed=seed)
         assert client.step({"text": "def gcd(a, b):\n    return a if b == 0 else gcd(b, a % b)"}).reward == 1.0
+
+
+# -- the GRPO job, trained against OpenSpiel BlackJack over OpenEnv -------------------------------
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_grpo_job_trains_against_an_openenv_server(openspiel_url, ray_cluster, tmp_path):
+    sys.path.insert(0, str(ROOT / "jobs"))
+    import grpo
+
+    summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",
+                         "env.name=openenv", f"env.openenv.url={openspiel_url}", "env.openenv.codec=openspiel_blackjack",
+                         "run.steps=2", "run.eval_every=2", "run.eval_mc_games=200", "grpo.games_per_step=64",
+                         "run.progress=false", "model.tiny.num_layers=2", "cluster.include_dashboard=false",
+                         "policy.kv_cache_mb=64"])
+    run_dir = Path(summary["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # every game was played to its end on the server, none lost to errors
+        assert row["num_games"] == 64 and row["env_errors"] == 0
+        assert -1.0 <= row["train_reward"] <= 1.0
+    assert summary["policy_versions"] == [2, 2]
+    assert -1.0 <= summary["exact_return"] <= 1.0  # the same greedy evaluation as local BlackJack
