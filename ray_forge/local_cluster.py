@@ -122,6 +122,36 @@ class LocalCluster:
                                    f"joined within {self.start_timeout_s:.0f}s")
             time.sleep(0.5)
 
+    def wait_for_jobs(self, timeout_s: float = 240.0) -> None:
+        """Until the head's job API answers (it needs ``dashboard=True``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            probe = subprocess.run([self.ray, "job", "list", "--address", self.dashboard_url],
+                                   capture_output=True, text=True, env=self.env, timeout=60)
+            if probe.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the job API at {self.dashboard_url} did not answer within {timeout_s:.0f}s: "
+                                   f"{probe.stderr.strip()[-500:]}")
+            time.sleep(2)
+
+    def submit(self, entrypoint: list[str], working_dir: str | Path, submission_id: str,
+               timeout_s: float = 900.0) -> tuple[str, subprocess.CompletedProcess]:
+        """``ray job submit`` to this cluster, waiting for the job's end: (submission id, process).
+
+        The head's job agent can register a minute or more after the job API answers on a busy
+        machine; until then every submit is refused and nothing runs, so those are retried."""
+        deadline = time.monotonic() + 240
+        for attempt in range(1000):
+            job_id = submission_id if attempt == 0 else f"{submission_id}-{attempt}"
+            proc = subprocess.run([self.ray, "job", "submit", "--address", self.dashboard_url, "--submission-id", job_id,
+                                   "--working-dir", str(working_dir), "--", *entrypoint],
+                                  capture_output=True, text=True, env=self.env, timeout=timeout_s)
+            if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
+                return job_id, proc
+            time.sleep(5)
+        raise AssertionError("unreachable")
+
     def stop(self) -> None:
         for proc in reversed(self.procs):
             try:
