@@ -44,3 +44,25 @@ def test_the_grafana_dashboard_charts_every_exported_metric():
     assert charted == set(EXPORTED)
     assert all('run=~"$run"' in t["expr"] for p in dashboard["panels"] for t in p["targets"])
     assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "run"}
+
+
+def test_progress_off_a_terminal_is_whole_lines():
+    """What `ray job logs` shows: one readable line per interval and at the end, never a redraw."""
+    import io
+
+    from ray_forge.metrics import PlainProgress
+
+    out = io.StringIO()
+    bar = PlainProgress(total=3, file=out, interval_s=3600)
+    for step in range(1, 4):
+        bar.set_postfix({"reward": f"{-0.1 * step:.4g}"})
+        bar.update(1)
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert len(lines) == 1 and lines[0].startswith("GRPO step 3/3 (100%),") and lines[0].endswith("reward=-0.3")
+    every = io.StringIO()
+    bar = PlainProgress(total=3, file=every, interval_s=0)
+    for _ in range(3):
+        bar.update(1)
+    assert [line.split(",")[0] for line in every.getvalue().splitlines()] == [f"GRPO step {i}/3 ({100 * i // 3}%)"
+                                                                             for i in (1, 2, 3)]
