@@ -13,7 +13,7 @@ from ray_forge.actors.env_pool import EnvPoolActor
 from ray_forge.actors.policy import PolicyActor
 from ray_forge.actors.reference import ReferenceActor
 from ray_forge.actors.trainer import TrainerActor
-from ray_forge.cluster import Pools
+from ray_forge.cluster import POOL_LABEL, Pools
 from ray_forge.grpo_config import JobConfig
 from ray_forge.remote import get
 from ray_forge.trainer_group import TrainerGroup
@@ -115,13 +115,29 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, 
     num_params = trainer.setup()
     policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=config.policy.call_timeout_s,
                        what="policies")
-    trainer_node = get(ranks[0].node_id.remote(), timeout_s=60, what="trainer-0")
-    transport = resolve_transport(config.weights.transport, trainer_node, policy_nodes)
+    trainer_nodes = get([r.node_id.remote() for r in ranks], timeout_s=60, what="trainer ranks")
+    transport = resolve_transport(config.weights.transport, trainer_nodes[0], policy_nodes)
     store = WeightStore.create(store_spec(config, store_name, transport))
     actors = Actors(policies, envs, buffer, trainer, reference, store, pools, handles)
     log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s, weights over %s",
              len(policies), len(ranks), num_params / 1e6, len(envs), kl, transport)
+    env_nodes = get([e.node_id.remote() for e in envs], timeout_s=60, what="env actors")
+    log_placement({**{f"policy-{i}": n for i, n in enumerate(policy_nodes)},
+                   **{f"trainer-{r}": n for r, n in enumerate(trainer_nodes)},
+                   **{f"env-{i}": n for i, n in enumerate(env_nodes)}})
     return actors
+
+
+def log_placement(actor_nodes: dict[str, str]) -> None:
+    """One line per node: its address, its pool label and the actors on it."""
+    nodes = {n["NodeID"]: n for n in ray.nodes()}
+    by_node: dict[str, list[str]] = {}
+    for name, node_id in actor_nodes.items():
+        by_node.setdefault(node_id, []).append(name)
+    for node_id, names in by_node.items():
+        node = nodes.get(node_id, {})
+        log.info("node %s (%s=%s): %s", node.get("NodeManagerAddress", node_id[:8]), POOL_LABEL,
+                 node.get("Labels", {}).get(POOL_LABEL, "-"), ", ".join(names))
 
 
 def resolve_transport(choice: str, trainer_node: str, policy_nodes: list[str]) -> str:
