@@ -52,7 +52,7 @@ def learning_curve_png(rows: list[dict[str, Any]], path: str | Path, title: str 
     agreement = [(r["step"], r["eval_agreement"]) for r in rows if r.get("eval_agreement") is not None]
     if agreement:
         bottom.plot(*zip(*agreement), "o-", color="tab:purple", lw=2)
-        bottom.set_ylabel("agreement with optimal")
+        bottom.set_ylabel("agreement with optimal\n(reach-weighted)")
         bottom.set_ylim(0, 1)
     else:
         bottom.plot(steps, [r.get("loss", np.nan) for r in rows], color="tab:red")

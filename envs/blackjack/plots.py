@@ -55,7 +55,7 @@ def decision_table_png(decisions: dict[str, int], path: str | Path, title: str =
                         Patch(fill=False, ec="red", lw=2.5, label=f"differs from optimal ({wrong} states)")],
                loc="outside lower center", ncols=3)
     fig.suptitle(title or (f"decision table: return {evaluate_table(learned):+.4f} "
-                           f"(optimal {evaluate_table(optimal):+.4f}), agreement {agreement(learned, optimal):.3f}"))
+                           f"(optimal {evaluate_table(optimal):+.4f}), agreement {agreement(learned, optimal):.3f} (reach-weighted)"))
     return save(fig, path)
 
 
@@ -63,7 +63,10 @@ def run_pictures(run_dir: str | Path, rows: list[dict], decisions: dict[str, int
     """The PNGs a BlackJack run ends with: its learning curve and its final decision table."""
     from envs.blackjack.exact import all_states
 
+    # The best policy that ignores the dealer's card: the ceiling of the public demo's prompt.
+    dealer_blind = {s: float(s.player_sum < (18 if s.usable_ace else 15)) for s in all_states()}
     references = {"optimal policy (exact)": evaluate_table(optimal_table()),
+                  "best dealer-blind policy (exact)": evaluate_table(dealer_blind),
                   "always STICK (exact)": evaluate_table({s: 0.0 for s in all_states()})}
     run_dir = Path(run_dir)
     return [learning_curve_png(rows, run_dir / "learning_curve.png", "BlackJack GRPO", references),
