@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +14,10 @@ import yaml
 from ray_forge.manifests import crd_schemas, load_documents, node_groups, validate
 
 ROOT = Path(__file__).resolve().parent.parent
-CRD_DIR = ROOT.parent / "shared" / "kuberay"
+CRD_DIR = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "kuberay"))  # KubeRay's config/crd/bases
 MANIFESTS = [ROOT / "cluster" / "rayjob-blackjack.yaml", ROOT / "cluster" / "raycluster.yaml"]
 
-pytestmark = pytest.mark.skipif(not CRD_DIR.is_dir(), reason=f"KubeRay CRDs not found at {CRD_DIR}")
+pytestmark = pytest.mark.skipif(not CRD_DIR.is_dir(), reason=f"KubeRay CRDs not found at {CRD_DIR} (set KUBERAY_CRD_DIR)")
 
 
 @pytest.fixture(scope="module")
