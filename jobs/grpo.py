@@ -10,9 +10,10 @@ Against a running cluster:
 
 Flow: config -> actors -> rollout and training loops running concurrently -> weight push after
 every step -> periodic greedy evaluation -> final policy saved as an HF folder -> shutdown.
-The env (``env.name``) decides two things only, in ``HOOKS``: the texts a tiny model's tokenizer
-is trained on, and the evaluation (BlackJack: exact return of the greedy decision table; code:
-greedy pass rate over every task, scored by the env pool's sandbox).
+The env (``env.name``; for an OpenEnv server, ``env.openenv.kind``) decides three things only, in
+``HOOKS``: the texts a tiny model's tokenizer is trained on, the evaluation (BlackJack: exact return
+of the greedy decision table; code: greedy pass rate over every task, scored by the env pool's
+sandbox), and the PNGs the run ends with.
 """
 
 from __future__ import annotations
