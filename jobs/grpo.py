@@ -11,9 +11,9 @@ Against a running cluster:
 Flow: config -> actors -> rollout and training loops running concurrently -> weight push after
 every step -> periodic greedy evaluation -> final policy saved as an HF folder -> shutdown.
 The env (``env.name``; for an OpenEnv server, ``env.openenv.kind``) decides three things only, in
-``HOOKS``: the texts a tiny model's tokenizer is trained on, the evaluation (BlackJack: exact return
-of the greedy decision table; code: greedy pass rate over every task, scored by the env pool's
-sandbox), and the PNGs the run ends with.
+``jobs/env_hooks.py``: the texts a tiny model's tokenizer is trained on, the evaluation (BlackJack:
+exact return of the greedy decision table; code: greedy pass rate over every task, scored by the
+env pool's sandbox), and the PNGs the run ends with.
 """
 
 from __future__ import annotations
@@ -27,28 +27,23 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import ray
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # env_hooks, beside this file
 
-from envs.blackjack import BlackjackTextEnv, evaluate  # noqa: E402
-from envs.blackjack.plots import run_pictures  # noqa: E402
-from envs.code.env import CodeEnv  # noqa: E402
-from envs.code.tasks import BUNDLED, load_tasks  # noqa: E402
+from env_hooks import EnvHooks, env_hooks, rollout_settings  # noqa: E402
 from ray_forge import cluster  # noqa: E402
 from ray_forge.batch import groups_to_samples  # noqa: E402
-from ray_forge.config import ConfigError, load_config, to_dict  # noqa: E402
-from ray_forge.evaluation import greedy_pass_rate  # noqa: E402
+from ray_forge.config import load_config, to_dict  # noqa: E402
 from ray_forge.grpo_config import JobConfig  # noqa: E402
 from ray_forge.launch import Actors, start_actors  # noqa: E402
 from ray_forge.metrics import MetricsLog, read_metrics  # noqa: E402
 from ray_forge.models import check_model_dir, make_tiny_qwen3  # noqa: E402
-from ray_forge.plots import learning_curve_png  # noqa: E402
 from ray_forge.remote import call, get  # noqa: E402
-from ray_forge.rollout import RolloutSettings, play_groups  # noqa: E402
+from ray_forge.rollout import play_groups  # noqa: E402
 
 log = logging.getLogger("grpo")
 
@@ -62,12 +57,6 @@ class LoopState:
     generated_tokens: int = 0
     played_games: int = 0
     rollout_seconds: float = 0.0
-
-
-def rollout_settings(config: JobConfig) -> RolloutSettings:
-    return RolloutSettings(group_size=config.grpo.group_size, max_turns=config.env.max_turns,
-                           invalid_action_penalty=config.env.invalid_action_penalty,
-                           policy_timeout_s=config.policy.call_timeout_s, env_timeout_s=config.env.call_timeout_s)
 
 
 async def rollout_loop(config: JobConfig, actors: Actors, state: LoopState) -> None:
@@ -126,61 +115,6 @@ async def push_weights(config: JobConfig, actors: Actors, version: int) -> dict[
                                          what=f"policy-{i}.update_weights")
                                     for i, p in enumerate(actors.policies)))
     return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s, "weight_load_s": max(load_s)}
-
-
-async def blackjack_eval(config: JobConfig, actors: Actors, mc_games: int) -> tuple[dict, dict]:
-    """Exact return (and optionally Monte Carlo) of policy-0's greedy decision table."""
-    def decide(prompts: list[str]) -> list[str]:
-        return [c.text for c in get(actors.policies[0].generate.remote(prompts, True),
-                                    timeout_s=config.policy.call_timeout_s, what="policy-0.generate")]
-    result = await asyncio.get_running_loop().run_in_executor(None, lambda: evaluate(decide, mc_games=mc_games))
-    return result, dict(eval_return=result["exact_return"], eval_agreement=result["agreement"])
-
-
-async def code_eval(config: JobConfig, actors: Actors, mc_games: int) -> tuple[dict, dict]:
-    """Greedy pass rate of policy-0 over every task, scored by env-0's sandbox as in training."""
-    result = await greedy_pass_rate(actors.policies[0], actors.envs[0], load_tasks(config.env.code.tasks or BUNDLED),
-                                    rollout_settings(config))
-    return result, {f"eval_{name}": value for name, value in result.items() if isinstance(value, float)}
-
-
-def code_corpus(config: JobConfig) -> list[str]:
-    """The prompts exactly as the code env shows them (showing one runs nothing), and the tests'
-    Python expressions."""
-    tasks = load_tasks(config.env.code.tasks or BUNDLED)
-    env = CodeEnv(tasks, executor=None)
-    return [env.reset(i) for i in range(len(tasks))] + [test for task in tasks for test in task.tests]
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvHooks:
-    """What the driver does differently per env."""
-
-    corpus: Callable[[JobConfig], list[str]]
-    """Texts the tiny model's tokenizer is trained on (``model.path`` empty)."""
-    evaluate: Callable[[JobConfig, Actors, int], Awaitable[tuple[dict, dict]]]
-    """Greedy evaluation of policy-0 (with this many Monte-Carlo games where the env has them):
-    the full result, and its metrics-row fields (``eval_return`` is what ``keep_best`` maximises)."""
-    pictures: Callable[[Path, list[dict], dict], list[Path]]
-    """PNGs written at the end of a run, from its metrics rows and final evaluation."""
-
-
-HOOKS = {
-    "blackjack": EnvHooks(corpus=lambda config: BlackjackTextEnv.corpus(), evaluate=blackjack_eval,
-                          pictures=lambda run_dir, rows, final: run_pictures(run_dir, rows, final["decisions"])),
-    "code": EnvHooks(corpus=code_corpus, evaluate=code_eval,
-                     pictures=lambda run_dir, rows, final: [
-                         learning_curve_png(rows, run_dir / "learning_curve.png", "coding and math tasks")]),
-}
-
-
-def env_hooks(config: JobConfig) -> EnvHooks:
-    # An OpenEnv server is evaluated as what it plays.
-    name = config.env.openenv.kind if config.env.name == "openenv" else config.env.name
-    if name not in HOOKS:
-        raise ConfigError(f"jobs/grpo.py has no evaluation for env.name={config.env.name!r} "
-                          f"(known: {', '.join(HOOKS)}, openenv)")
-    return HOOKS[name]
 
 
 async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, run_dir: Path) -> dict:
