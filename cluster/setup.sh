@@ -4,7 +4,8 @@
 #   cluster/setup.sh secrets      create the Secrets from TOGETHER_API_KEY / HF_TOKEN in this shell's environment
 #   cluster/setup.sh job          run the BlackJack RayJob and follow it
 #   cluster/setup.sh cluster      start the long-lived RayCluster instead
-#   cluster/setup.sh dashboard    port-forward the Ray dashboard to http://127.0.0.1:8265
+#   cluster/setup.sh dashboard    port-forward the Ray dashboard to http://127.0.0.1:8265 (and metrics to :8080);
+#                                 `dashboard job` for the RayJob's cluster
 #   cluster/setup.sh submit ARGS  `ray job submit` to the forwarded RayCluster, e.g. run.steps=20
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,11 +39,14 @@ case "${1:-}" in
     k apply -f cluster/pvc.yaml -f cluster/raycluster.yaml
     k wait --for=condition=ready pod -l ray.io/cluster=ray-forge --timeout=30m ;;
   dashboard)
-    k port-forward svc/ray-forge-head-svc 8265:8265 8080:8080 ;;
+    # The RayCluster's head, or with `dashboard job` the head of the cluster the RayJob made.
+    name=ray-forge
+    if [[ "${2:-}" == job ]]; then name=$(k get rayjob ray-forge-blackjack -o jsonpath='{.status.rayClusterName}'); fi
+    k port-forward "svc/${name}-head-svc" 8265:8265 8080:8080 ;;
   submit)
     shift
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
       python jobs/grpo.py --config jobs/configs/blackjack_qwen3_1p7b.yaml "$@" ;;
   *)
-    sed -n '2,8p' "$0"; exit 2 ;;
+    sed -n '2,9p' "$0"; exit 2 ;;
 esac
