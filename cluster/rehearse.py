@@ -31,6 +31,11 @@ EXPECTED_POOL = {"policy": "gpu", "trainer": "gpu", "ref": "gpu", "env": "cpu"}
 """Where each role's actors (named ``<role>-<i>``, or ``ref``) must run."""
 
 
+def role(actor_name: str) -> str:
+    """'policy-1' -> 'policy'; 'ref' -> 'ref'."""
+    return actor_name.rsplit("-", 1)[0]
+
+
 def placement(address: str) -> dict[str, dict]:
     """Every named actor the job started: its node's address and pool label (Ray's state API)."""
     from ray.util.state import list_actors, list_nodes
@@ -39,8 +44,7 @@ def placement(address: str) -> dict[str, dict]:
     actors = list_actors(address=address, detail=True, limit=1000, raise_on_missing_output=False)
     out = {}
     for actor in actors:
-        role = actor.name.rsplit("-", 1)[0] if actor.name else ""
-        if role in EXPECTED_POOL:
+        if actor.name and role(actor.name) in EXPECTED_POOL:
             node = nodes[actor.node_id]
             out[actor.name] = {"node_ip": node.node_ip, "pool": (node.labels or {}).get(POOL_LABEL),
                                "state": actor.state}
@@ -48,11 +52,10 @@ def placement(address: str) -> dict[str, dict]:
 
 
 def misplaced(where: dict[str, dict]) -> list[str]:
-    problems = [f"{name} ran on {info['node_ip']} (pool {info['pool']}), expected pool "
-                f"{EXPECTED_POOL[name.rsplit('-', 1)[0]]}"
-                for name, info in where.items() if info["pool"] != EXPECTED_POOL[name.rsplit("-", 1)[0]]]
-    roles = {name.rsplit("-", 1)[0] for name in where}
-    return problems + [f"no {role} actor was found" for role in EXPECTED_POOL if role not in roles]
+    problems = [f"{name} ran on {info['node_ip']} (pool {info['pool']}), expected pool {EXPECTED_POOL[role(name)]}"
+                for name, info in where.items() if info["pool"] != EXPECTED_POOL[role(name)]]
+    found = {role(name) for name in where}
+    return problems + [f"no {r} actor was found" for r in EXPECTED_POOL if r not in found]
 
 
 def rehearse(overrides: list[str], output_dir: Path, timeout_s: float = 900.0) -> dict:

@@ -141,16 +141,16 @@ class LocalCluster:
 
         The head's job agent can register a minute or more after the job API answers on a busy
         machine; until then every submit is refused and nothing runs, so those are retried."""
-        deadline = time.monotonic() + 240
-        for attempt in range(1000):
+        deadline, attempt = time.monotonic() + 240, 0
+        while True:
             job_id = submission_id if attempt == 0 else f"{submission_id}-{attempt}"
             proc = subprocess.run([self.ray, "job", "submit", "--address", self.dashboard_url, "--submission-id", job_id,
                                    "--working-dir", str(working_dir), "--", *entrypoint],
                                   capture_output=True, text=True, env=self.env, timeout=timeout_s)
             if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
                 return job_id, proc
+            attempt += 1
             time.sleep(5)
-        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
