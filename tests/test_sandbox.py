@@ -1,12 +1,18 @@
-"""The local sandbox contains hostile programs: each ends with a clear error, the sandbox keeps
-working, and the next execution is correct. Runs the real thing (forked interpreters, rlimits,
-and as root a uid, chroot and network namespace)."""
+"""The local sandbox contains hostile programs, as root and as an unprivileged user: each ends
+with a clear error, nothing outside is touched, the sandbox keeps working, and the next execution
+is correct. Runs the real thing (user, PID, mount and network namespaces, a read-only root,
+seccomp, rlimits). The unprivileged variant runs the sandbox's host process as uid 65534."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import stat
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -14,153 +20,412 @@ from pathlib import Path
 
 import pytest
 
-from envs.code.sandbox import Limits, LocalSandbox
+from envs.code.sandbox import ExecResult, Limits, LocalSandbox
 
-LIMITS = Limits(wall_s=3.0, cpu_s=2.0, memory_mb=256, output_bytes=16 * 1024, max_processes=8)
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    os.environ["TOGETHER_API_KEY"] = "sk-test-secret-never-in-sandbox"
-    box = LocalSandbox(size=1, limits=LIMITS)
-    yield box
-    box.close()
-    os.environ.pop("TOGETHER_API_KEY", None)
+ROOT = Path(__file__).resolve().parent.parent
+LIMITS = Limits(wall_s=3.0, cpu_s=2.0, memory_mb=256, output_bytes=16 * 1024, max_processes=8, disk_mb=8,
+                max_files=256, max_open_files=32)
+KEY = "sk-test-secret-never-in-sandbox"
+UNPRIVILEGED_UID = 65534
 
 
-def processes_of(uid: int) -> list[str]:
-    out = subprocess.run(["ps", "-o", "pid=,comm=", "-u", str(uid)], capture_output=True, text=True)
-    return out.stdout.split("\n") if out.stdout.strip() else []
+class UserHost:
+    """The sandbox's host process run as an unprivileged user, serving ``tests/sandbox_host.py``.
+
+    The Python installation may sit under a folder only root may enter (/root here), so the host
+    runs in a private mount namespace where that folder is an empty tmpfs with just the Python
+    installation bound back in place; envs/code is copied to a folder anyone may read."""
+
+    def __init__(self) -> None:
+        self.code_dir = tempfile.mkdtemp(prefix="ray_forge_sandbox_code_")
+        shutil.copytree(ROOT / "envs" / "code", Path(self.code_dir) / "envs" / "code",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.jsonl"))
+        (Path(self.code_dir) / "envs" / "__init__.py").touch()
+        for path in [self.code_dir, *Path(self.code_dir).rglob("*")]:
+            os.chmod(path, 0o755)
+        python = sys._base_executable
+        script = "set -e\n" + _expose(sys.base_prefix) + (
+            f"exec setpriv --reuid={UNPRIVILEGED_UID} --regid={UNPRIVILEGED_UID} --clear-groups "
+            f"--inh-caps=-all --bounding-set=-all -- {python} {self.code_dir}/host.py {self.code_dir} "
+            f"'{json.dumps(LIMITS.__dict__)}'")
+        shutil.copy(ROOT / "tests" / "sandbox_host.py", Path(self.code_dir) / "host.py")
+        os.chmod(Path(self.code_dir) / "host.py", 0o755)
+        env = {"PATH": os.environ["PATH"], "TOGETHER_API_KEY": KEY}
+        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        ready = json.loads(self._line(60))
+        assert ready["ready"], ready
+        self.pids = ready["pids"]
+
+    def _line(self, timeout_s: float) -> str:
+        import select
+
+        readable, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if readable else ""
+        assert line, f"the unprivileged sandbox host did not answer within {timeout_s}s"
+        return line
+
+    def execute(self, code: str) -> ExecResult:
+        self.proc.stdin.write(json.dumps({"code": code}) + "\n")
+        self.proc.stdin.flush()
+        return ExecResult(**json.loads(self._line(LIMITS.wall_s + 30)))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.code_dir, ignore_errors=True)
 
 
-def still_correct(box: LocalSandbox) -> None:
-    result = box.execute("print(sum(range(10)))")
+def _expose(prefix: str) -> str:
+    """Shell lines that make ``prefix`` reachable for every user: the highest folder above it that
+    others may not enter becomes a 0755 tmpfs with ``prefix`` bound back in place."""
+    blocked = next((p for p in reversed(Path(prefix).parents) if not os.stat(p).st_mode & stat.S_IXOTH), None)
+    if blocked is None:
+        return ""
+    return (f"aside=$(mktemp -d)\nmount --bind {prefix} $aside\nmount -t tmpfs -o mode=0755 tmpfs {blocked}\n"
+            f"mkdir -p {prefix}\nmount --bind $aside {prefix}\n")
+
+
+class RootHost:
+    """The sandbox in this process, which is root."""
+
+    def __init__(self) -> None:
+        os.environ["TOGETHER_API_KEY"] = KEY
+        self.box = LocalSandbox(size=1, limits=LIMITS)
+        self.pids = self.box.pids
+
+    def execute(self, code: str) -> ExecResult:
+        return self.box.execute(code)
+
+    def close(self) -> None:
+        self.box.close()
+        os.environ.pop("TOGETHER_API_KEY", None)
+
+
+@pytest.fixture(scope="module", params=["root", "user"])
+def host(request):
+    if request.param == "root" and os.geteuid() != 0:
+        pytest.skip("the root variant needs root (CI runs as root); the unprivileged one ran in-process")
+    if request.param == "user" and os.geteuid() != 0:
+        made = RootHost()  # this process already is an unprivileged user
+    else:
+        made = RootHost() if request.param == "root" else UserHost()
+    yield made
+    made.close()
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def only_the_zygote_is_left(host) -> None:
+    """Below the launcher there is just the zygote: nothing an execution started survived it."""
+    deadline = time.monotonic() + 5
+    while len(left := descendants(host.pids[0])) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(left) == 1, f"processes left below the sandbox's launcher: {left}"
+
+
+def still_correct(host) -> None:
+    result = host.execute("print(sum(range(10)))")
     assert result.ok and result.stdout == "45\n", result
 
 
-def test_plain_code_runs_and_reports(sandbox):
-    result = sandbox.execute("import math\nprint(math.factorial(5))")
+def test_plain_code_runs_and_reports(host):
+    result = host.execute("import math\nprint(math.factorial(5))")
     assert result.ok and result.stdout == "120\n" and result.error is None
-    failed = sandbox.execute("raise ValueError('bad input')")
+    failed = host.execute("raise ValueError('bad input')")
     assert failed.exit_code == 1 and failed.error is None and "ValueError: bad input" in failed.stderr
 
 
-def test_infinite_loop_is_stopped(sandbox):
+def test_it_sees_only_what_python_needs(host):
+    result = host.execute("import os\nprint(sorted(os.listdir('/')))\nprint(os.getcwd(), os.listdir('.'))\n"
+                          "import json, fractions, zipfile\nprint('imports ok')")
+    top = set(json.loads(result.stdout.splitlines()[0].replace("'", '"')))
+    assert top <= {"dev", "lib", "lib64", "usr", "tmp", "root", "opt", "home"}, top
+    assert not top & {"proc", "sys", "etc", "work", "var", "run", "mnt"}
+    assert result.stdout.splitlines()[1] == "/tmp []" and "imports ok" in result.stdout
+
+
+def test_infinite_loop_is_stopped(host):
     start = time.monotonic()
-    result = sandbox.execute("while True:\n    pass")
+    result = host.execute("while True:\n    pass")
     assert result.error is not None and ("cpu time" in result.error or "timeout" in result.error)
     assert time.monotonic() - start < LIMITS.wall_s + 3
-    still_correct(sandbox)
+    still_correct(host)
 
 
-def test_sleeping_forever_while_ignoring_sigterm_is_killed_on_time(sandbox):
+def test_sleeping_forever_while_ignoring_sigterm_is_killed_on_time(host):
     start = time.monotonic()
-    result = sandbox.execute("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(100)")
+    result = host.execute("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(100)")
     assert result.error.startswith("timeout")
     assert time.monotonic() - start < LIMITS.wall_s + 3
-    still_correct(sandbox)
+    still_correct(host)
 
 
-def test_memory_bomb_hits_the_memory_limit(sandbox):
-    result = sandbox.execute("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))")
+def test_memory_bomb_hits_the_memory_limit(host):
+    result = host.execute("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))")
     assert result.error is not None and "memory" in result.error
-    still_correct(sandbox)
+    still_correct(host)
 
 
-def test_a_gigabyte_of_output_is_cut_off(sandbox):
+def test_a_gigabyte_of_output_is_cut_off(host):
     start = time.monotonic()
-    result = sandbox.execute("import sys\nfor _ in range(1024):\n    sys.stdout.write('x' * 2**20)")
+    result = host.execute("import sys\nfor _ in range(1024):\n    sys.stdout.write('x' * 2**20)")
     assert result.error is not None and "output limit" in result.error
     assert len(result.stdout) <= LIMITS.output_bytes
     assert time.monotonic() - start < LIMITS.wall_s + 3
-    still_correct(sandbox)
+    still_correct(host)
 
 
-def test_fork_bomb_is_contained_and_leaves_nothing(sandbox):
-    result = sandbox.execute("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+def test_fork_bomb_is_contained_and_leaves_nothing(host):
+    result = host.execute("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
     assert result.error is not None or result.exit_code != 0
-    if sandbox.isolated:
-        assert processes_of(sandbox.uids[0]) == []
-    still_correct(sandbox)
+    only_the_zygote_is_left(host)
+    still_correct(host)
 
 
-def test_background_process_does_not_outlive_the_execution(sandbox):
+def test_the_process_limit_holds(host):
+    code = ("import os, time\nmade = 0\nfor _ in range(50):\n    try:\n        if os.fork() == 0:\n"
+            "            time.sleep(30)\n            os._exit(0)\n        made += 1\n    except OSError:\n        break\n"
+            "print(made)")
+    result = host.execute(code)
+    assert result.ok and int(result.stdout) == LIMITS.max_processes - 1, result  # the execution itself is one
+    only_the_zygote_is_left(host)
+    still_correct(host)
+
+
+def test_background_process_does_not_outlive_the_execution(host):
     code = ("import os, time\npid = os.fork()\nif pid == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\n"
             "print('child', pid)")
-    result = sandbox.execute(code)
+    result = host.execute(code)
     assert result.ok and result.stdout.startswith("child ")
-    child = int(result.stdout.split()[1])
-    assert not Path(f"/proc/{child}").exists()
-    if sandbox.isolated:
-        assert processes_of(sandbox.uids[0]) == []
-    still_correct(sandbox)
+    only_the_zygote_is_left(host)
+    still_correct(host)
 
 
-def test_no_network_even_to_a_loopback_server(sandbox):
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.5)
-    port = server.getsockname()[1]
-    accepted = []
-
-    def accept():
-        try:
-            accepted.append(server.accept())
-        except OSError:
-            pass
-
-    thread = threading.Thread(target=accept)
-    thread.start()
-    result = sandbox.execute(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                             "print('connected')")
-    thread.join()
-    server.close()
-    assert "connected" not in result.stdout and not accepted
-    assert result.exit_code != 0 and ("OSError" in result.stderr or "PermissionError" in result.stderr
-                                      or "Network is unreachable" in result.stderr)
-    still_correct(sandbox)
+def listening(count: int) -> tuple[list[socket.socket], list[list]]:
+    servers, accepted = [], []
+    for _ in range(count):
+        server = socket.create_server(("127.0.0.1", 0))
+        server.settimeout(0.5)
+        got: list = []
+        threading.Thread(target=lambda s=server, g=got: _accept(s, g), daemon=True).start()
+        servers.append(server)
+        accepted.append(got)
+    return servers, accepted
 
 
-def test_no_secrets_in_its_environment_or_the_parents(sandbox):
+def _accept(server: socket.socket, got: list) -> None:
+    try:
+        got.append(server.accept())
+    except OSError:
+        pass
+
+
+def test_no_network_to_the_ray_dashboard_the_gcs_or_dns(host):
+    """Listeners on loopback stand for the Ray dashboard and the GCS; 8265 and 6379 are their
+    default ports."""
+    servers, accepted = listening(2)
+    ports = [s.getsockname()[1] for s in servers] + [8265, 6379]
+    code = ("import socket\n"
+            f"for port in {ports}:\n"
+            "    try:\n        socket.create_connection(('127.0.0.1', port), timeout=1)\n        print('connected', port)\n"
+            "    except OSError as err:\n        print('refused', port, type(err).__name__)\n"
+            "try:\n    print('resolved', socket.getaddrinfo('example.com', 80))\n"
+            "except OSError as err:\n    print('no dns', type(err).__name__)\n")
+    result = host.execute(code)
+    time.sleep(0.6)
+    for server in servers:
+        server.close()
+    assert "connected" not in result.stdout and "resolved" not in result.stdout and not any(accepted)
+    assert result.stdout.count("refused") == 4 and "no dns" in result.stdout, result
+    still_correct(host)
+
+
+def test_no_secrets_in_its_environment_or_any_process(host):
     code = ("import os\nprint(sorted(os.environ))\n"
-            "for path in (f'/proc/{os.getppid()}/environ', '/proc/1/environ', f'/proc/{os.getpid()}/environ'):\n"
-            "    try:\n        print(open(path, 'rb').read())\n    except OSError as err:\n        print('denied', path)\n")
-    result = sandbox.execute(code)
-    assert "sk-test-secret" not in result.stdout + result.stderr
-    assert "TOGETHER_API_KEY" not in result.stdout
-    still_correct(sandbox)
+            "for path in (f'/proc/{os.getppid()}/environ', '/proc/1/environ', '/proc/self/environ'):\n"
+            "    try:\n        print(open(path, 'rb').read())\n    except OSError as err:\n"
+            "        print('denied', path, type(err).__name__)\n")
+    result = host.execute(code)
+    assert KEY not in result.stdout + result.stderr and "TOGETHER_API_KEY" not in result.stdout
+    assert result.stdout.count("denied") == 3
+    still_correct(host)
 
 
-def test_cannot_write_outside_its_directory(sandbox, tmp_path):
+def test_cannot_write_outside_its_directory(host):
     target = f"/tmp/ray_forge_escape_{uuid.uuid4().hex}"
-    code = (f"for path in ({target!r}, '../escape', {str(tmp_path / 'escape')!r}):\n"
+    elsewhere = tempfile.mkdtemp(prefix="ray_forge_elsewhere_")
+    os.chmod(elsewhere, 0o777)
+    code = (f"for path in ({target!r}, '../escape', '/escape', {elsewhere + '/escape'!r}, '/usr/lib/escape'):\n"
             "    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
             "    except OSError as err:\n        print('refused', path)\n"
             "open('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())")
-    result = sandbox.execute(code)
-    assert not Path(target).exists() and not (tmp_path / "escape").exists()
-    assert result.stdout.strip().endswith("ok")
-    leftovers = [p for p in Path(sandbox.root).rglob("escape")]
-    assert leftovers == []
-    still_correct(sandbox)
+    result = host.execute(code)
+    assert not Path(target).exists() and not os.listdir(elsewhere)
+    assert result.stdout.count("refused") == 4 and result.stdout.strip().endswith("ok"), result
+    assert "inside.txt" not in host.execute("import os\nprint(os.listdir('.'))").stdout  # its own /tmp is new
+    os.rmdir(elsewhere)
+    still_correct(host)
 
 
-def test_cannot_signal_or_kill_its_parent(sandbox):
-    me = os.getpid()
-    code = (f"import os, signal\nfor pid in (os.getppid(), {me}, 1):\n"
-            "    for sig in (signal.SIGTERM, signal.SIGKILL):\n"
-            "        try:\n            os.kill(pid, sig)\n            print('signalled', pid)\n"
-            "        except OSError as err:\n            print('refused', pid, type(err).__name__)\n")
-    result = sandbox.execute(code)
-    assert "signalled" not in result.stdout
-    assert result.stdout.count("refused") == 6  # 3 targets x 2 signals, each refused
-    still_correct(sandbox)  # the sandbox's interpreter survived too
+def test_links_where_output_was_read_and_where_cleanup_ran_reach_nothing(host):
+    """The old sandbox read <dir>/stdout after the run and removed <dir>: links planted there
+    pointed the host at its own files. Now output comes through pipes and nothing is cleaned up."""
+    secret = Path(tempfile.mkdtemp(prefix="ray_forge_secret_"))
+    (secret / "token").write_text("host-file-secret-123")
+    os.chmod(secret, 0o755), os.chmod(secret / "token", 0o644)
+    code = ("import os\n"
+            f"for name, target in [('stdout', {str(secret / 'token')!r}), ('stderr', '/proc/1/environ'),\n"
+            f"                     ('victim', {str(secret)!r}), ('root', '/')]:\n"
+            "    for where in (name, '../' + name, '/tmp/' + name):\n"
+            "        try:\n            os.symlink(target, where)\n        except OSError:\n            pass\n"
+            "print('planted', sorted(os.listdir('.')))")
+    result = host.execute(code)
+    assert result.ok and "planted" in result.stdout
+    assert "host-file-secret-123" not in result.stdout + result.stderr and KEY not in result.stdout + result.stderr
+    assert (secret / "token").read_text() == "host-file-secret-123"  # nothing followed the links to remove it
+    shutil.rmtree(secret)
+    still_correct(host)
 
 
-def test_audit_hook_fallback_without_root_measures():
-    with LocalSandbox(size=1, limits=LIMITS, isolate=False) as box:
-        assert not box.isolated
-        result = box.execute("import socket\nsocket.socket()")
-        assert "PermissionError" in result.stderr and "socket" in result.stderr
-        result = box.execute("import os\nos.fork()")
-        assert "PermissionError" in result.stderr
+def test_ctypes_kill_socket_and_ptrace_are_refused(host):
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"for pid in (os.getppid(), 1, {os.getpid()}, -1):\n"
+            "    libc.kill(pid, 9)\n"
+            "print('socket', libc.socket(2, 1, 0), ctypes.get_errno())\n"
+            "print('raw', libc.socket(17, 3, 0), ctypes.get_errno())\n"
+            "print('attach', libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())\n"
+            "print('traceme', libc.ptrace(0, 0, 0, 0), ctypes.get_errno())\n"
+            "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
+            "print('execve', libc.execve(b'/usr/bin/env', None, None), ctypes.get_errno())\n")
+    result = host.execute(code)
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert set(lines) == {"socket", "raw", "attach", "traceme", "unshare", "execve"}, result
+    assert all(value == "-1 1" for value in lines.values()), lines  # each failed with EPERM
+    assert all(Path(f"/proc/{pid}").exists() for pid in host.pids)
+    still_correct(host)
+
+
+def test_no_dev_shm_and_no_data_volume(host):
+    name = f"ray_forge_escape_{uuid.uuid4().hex}"
+    pvc = tempfile.mkdtemp(prefix="ray_forge_pvc_")  # stands for the PVC mounted at /data
+    os.chmod(pvc, 0o777)
+    code = (f"for path in ('/dev/shm/{name}', '{pvc}/{name}', '/data/{name}'):\n"
+            "    try:\n        open(path, 'wb').write(b'x' * 1024)\n        print('wrote', path)\n"
+            "    except OSError as err:\n        print('refused', path, type(err).__name__)\n")
+    result = host.execute(code)
+    assert result.stdout.count("refused") == 3, result
+    assert not Path(f"/dev/shm/{name}").exists() and not os.listdir(pvc)
+    os.rmdir(pvc)
+    still_correct(host)
+
+
+def test_filling_the_disk_with_small_files_is_contained(host):
+    free_before = shutil.disk_usage("/tmp").free
+    code = ("import os\nmade = 0\ntry:\n    while True:\n"
+            "        with open(f'f{made}', 'wb') as f:\n            f.write(b'x' * 4096)\n        made += 1\n"
+            "except OSError as err:\n    print('stopped', made, err.strerror)\n")
+    result = host.execute(code)
+    assert result.ok and "stopped" in result.stdout and "No space left" in result.stdout, result
+    assert int(result.stdout.split()[1]) < LIMITS.max_files
+    assert abs(shutil.disk_usage("/tmp").free - free_before) < 64 * 2**20  # the host's disk was not used
+    assert host.execute("import os\nprint(len(os.listdir('.')))").stdout == "0\n"
+    still_correct(host)
+
+
+def test_opening_files_without_end_is_contained(host):
+    code = ("files = []\ntry:\n    while True:\n        files.append(open('/dev/null'))\n"
+            "except OSError as err:\n    print('stopped', len(files), err.strerror)\n")
+    result = host.execute(code)
+    assert result.ok and "Too many open files" in result.stdout, result
+    assert int(result.stdout.split()[1]) < LIMITS.max_open_files
+    still_correct(host)
+
+
+def test_signalling_its_parent_the_host_or_everyone_harms_nothing(host):
+    code = (f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, 1, -1):\n"
+            "    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):\n"
+            "        try:\n            os.kill(pid, sig)\n        except OSError:\n            pass\n"
+            "print('still here')")
+    result = host.execute(code)
+    assert result.error is not None or "still here" in result.stdout  # kill(-1) may take the execution too
+    assert all(Path(f"/proc/{pid}").exists() for pid in host.pids)
+    still_correct(host)  # the zygote, the host and this test all survived
+
+
+def test_the_sandbox_runs_as_an_unprivileged_uid(host):
+    """Launcher and zygote hold an unprivileged uid on the machine (65534 for the user host; a
+    dedicated one when the host is root), whatever they are called inside their namespace."""
+    for pid in [host.pids[0], *descendants(host.pids[0])]:
+        uids = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Uid:"))
+        real, effective, saved, fs = map(int, uids.split()[1:])
+        assert real == effective == saved == fs != 0
+        if isinstance(host, UserHost):
+            assert real == UNPRIVILEGED_UID
+
+
+# Fail closed: the host process runs under a seccomp filter (as a container profile would be) that
+# refuses one thing the sandbox needs; the sandbox must refuse to start and say what is missing.
+_START_UNDER_FILTER = """
+import sys
+sys.path.insert(0, {root!r})
+from envs.code import _seccomp
+_seccomp.install(_seccomp.build({denied!r}, refuse_new_namespaces=False))
+from envs.code.sandbox import LocalSandbox, SandboxUnavailable
+try:
+    LocalSandbox(size=1).close()
+    print("STARTED")
+except SandboxUnavailable as err:
+    print("REFUSED", err)
+"""
+
+
+@pytest.mark.parametrize("denied, named", [
+    ({"unshare": 272}, "unshare(CLONE_NEWUSER"),
+    ({"mount": 165}, "mount of"),
+    ({"seccomp": 317}, "seccomp"),
+    ({"pivot_root": 155}, "pivot_root"),
+])
+def test_without_what_isolation_needs_the_sandbox_refuses_to_start(denied, named):
+    out = subprocess.run([sys.executable, "-c", _START_UNDER_FILTER.format(root=str(ROOT), denied=denied)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("REFUSED"), out.stdout + out.stderr
+    assert named in out.stdout and "isolation 'full'" in out.stdout
+    if named != "seccomp":
+        assert "seccompProfile" in out.stdout and "env.code.isolation: none" in out.stdout  # how to get it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to drop CAP_SETUID from root")
+def test_root_without_cap_setuid_is_refused_not_run_as_root():
+    """Root in a pod with its capabilities dropped cannot map the sandbox to another uid; running
+    it as root would lift the process limit, so the sandbox refuses."""
+    script = _START_UNDER_FILTER.format(root=str(ROOT), denied={})
+    out = subprocess.run(["setpriv", "--bounding-set=-setuid,-setgid", "--inh-caps=-setuid,-setgid", "--",
+                          sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("REFUSED") and "CAP_SETUID" in out.stdout, out.stdout + out.stderr
+
+
+def test_isolation_none_is_an_explicit_opt_in_and_says_so(caplog):
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        LocalSandbox(size=1, isolation="partial")
+    with LocalSandbox(size=1, limits=LIMITS, isolation="none") as box:
+        assert box.isolation == "none"
+        assert "isolation 'none'" in caplog.text
+        result = box.execute("import os\nprint(os.path.exists('/proc/self'))")
+        assert result.ok and result.stdout == "True\n"  # no namespaces: it sees the machine
+        assert "timeout" in box.execute("import time\ntime.sleep(60)").error  # the limits still hold
         still_correct(box)

@@ -1,68 +1,251 @@
-"""The sandbox's warm interpreter: forks one child per execution (never imports ray_forge).
+"""The sandbox's warm interpreter: forks one child per execution (standard library only).
 
-Run as ``python -I _zygote.py <config json>`` with a scrubbed environment. It reads one request per
-line on stdin (JSON: code, limits) and answers one JSON line on stdout. Each execution is a fresh
-forked child in its own session and private directory, with CPU, memory, file-size and process
-limits. When this process is root it also: leaves the network (a new, empty network namespace,
-made once here), runs the child as a dedicated uid inside a chroot of its directory, and after the
-child ends kills every process of that uid (so nothing it started survives, even if it escaped
-its session). Without root a Python audit hook refuses sockets, subprocesses and signals instead.
+Run by ``envs/code/sandbox.py`` as ``python -I -S _zygote.py <config json>`` with a scrubbed
+environment. One JSON object per line each way on stdin/stdout:
+
+  (full isolation)  zygote -> {"stage": "map"}   host writes the uid and gid maps, then -> "mapped"
+  zygote -> {"ready": true, "isolation": ...}  or  {"ready": false, "error": "what is missing"}
+  host -> {"code": ..., "limits": {...}}        zygote -> {"stdout", "stderr", "exit_code", "error", "seconds"}
+
+With ``isolation: full`` the process the host started (the launcher) enters new user, mount,
+network, IPC, UTS and PID namespaces and forks the zygote, which is process 1 of the new PID
+namespace, builds a read-only root of only what Python needs, and checks the result with a probe
+execution before it says ready. Each execution is a child of the zygote with its own mount
+namespace and size-limited /tmp, rlimits, no capabilities and a seccomp filter; its output comes
+back through pipes opened before the fork; when it ends, the zygote kills every other process of
+the namespace. With ``isolation: none`` (a developer's machine only) just the rlimits, the pipes and
+the clean-up apply.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import sys
 import tempfile
 import time
 
-# What candidate code may import, loaded before any chroot (there is no stdlib inside it).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script's folder out
+import _isolation  # noqa: E402
+import _seccomp  # noqa: E402
+
+# Imported once here, so every execution starts with them loaded.
 PRELOAD = ("math", "cmath", "re", "json", "itertools", "functools", "collections", "heapq", "bisect",
            "string", "random", "fractions", "decimal", "statistics", "typing", "dataclasses", "copy",
            "operator", "datetime", "textwrap", "unicodedata", "array", "enum", "traceback", "io", "time",
-           "signal", "socket", "encodings.idna")
-_CLONE_NEWNET = 0x40000000
+           "signal", "socket", "encodings.idna", "ctypes")
 _PR_SET_CHILD_SUBREAPER = 36
-_REFUSED_EVENTS = ("socket.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.kill",
-                   "os.killpg", "os.fork", "os.forkpty", "pty.spawn")
+_CONFINE_FAILED = 126
+# The probe runs like any candidate; a full sandbox must show each of these, or it does not start.
+_PROBE = """
+import ctypes, json, os, socket
+seen = {}
+try:
+    socket.socket()
+    seen["socket"] = "allowed"
+except PermissionError:
+    seen["socket"] = "refused"
+seen["mount"] = ctypes.CDLL(None).mount(b"none", b"/tmp", b"tmpfs", 0, None) == 0
+seen["proc"] = os.path.exists("/proc/self")
+seen["ppid"] = os.getppid()
+try:
+    open("/probe", "w")
+    seen["root_writable"] = True
+except OSError:
+    seen["root_writable"] = False
+with open("probe", "w") as f:
+    seen["tmp_writable"] = f.write("x") == 1
+print(json.dumps(seen))
+"""
+_PROBE_EXPECTED = {"socket": "refused", "mount": False, "proc": False, "ppid": 1, "root_writable": False,
+                   "tmp_writable": True}
 
 
-def _refuse(event: str, args) -> None:
-    if event.startswith(_REFUSED_EVENTS):
-        raise PermissionError(f"sandbox: {event} is not allowed")
+def _send(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
-def _leave_network() -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.unshare(_CLONE_NEWNET) == 0
+def _read_line(fd: int) -> str:
+    """One line from ``fd`` without buffering past it (the next line is the zygote's)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode().strip()
 
 
-def _vm_size() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    return 0
+class Zygote:
+    def __init__(self, config: dict, sources: list | None) -> None:
+        self.full = config["isolation"] == "full"
+        self.root = config["root"]
+        self.status_fd = os.open("/proc/self/status", os.O_RDONLY)  # VmSize, read before every fork
+        if self.full:
+            _isolation.build_root(self.root, sources)
+            _isolation.undumpable()
+            self.filter = _seccomp.build()
+        else:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come back here to be ended
+
+    def probe(self) -> None:
+        limits = {"wall_s": 10.0, "cpu_s": 5.0, "memory_mb": 256, "output_bytes": 4096, "max_processes": 1,
+                  "disk_mb": 1, "max_files": 16, "max_open_files": 32}
+        reply = self.run({"code": _PROBE, "limits": limits})
+        try:
+            seen = json.loads(reply["stdout"])
+        except ValueError:
+            raise _isolation.IsolationUnavailable(
+                f"the isolation probe did not run: {reply['error'] or reply['stderr'][-300:]}") from None
+        wrong = {k: seen.get(k) for k, v in _PROBE_EXPECTED.items() if seen.get(k) != v}
+        if wrong:
+            raise _isolation.IsolationUnavailable(f"the isolation probe found {wrong}, expected "
+                                                  f"{ {k: _PROBE_EXPECTED[k] for k in wrong} }")
+
+    def _vm_size(self) -> int:
+        for line in os.pread(self.status_fd, 8192, 0).decode().splitlines():
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmSize in /proc/self/status")
+
+    def run(self, request: dict) -> dict:
+        limits = request["limits"]
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        workdir = None if self.full else tempfile.mkdtemp(prefix="x", dir=self.root)
+        vm_size = self._vm_size()
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os.close(out_r), os.close(err_r)
+            self._child(request["code"], limits, out_w, err_w, vm_size, workdir)
+        os.close(out_w), os.close(err_w)
+        try:
+            out, err, stopped = self._collect(pid, out_r, err_r, start + limits["wall_s"], limits["output_bytes"])
+        finally:
+            os.close(out_r), os.close(err_r)
+            status = self._end(pid)
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)  # fd-based: never follows the child's links
+        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        exit_code, error = _classify(status, stopped, stderr, limits)
+        return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "error": error,
+                "seconds": time.monotonic() - start}
+
+    def _child(self, code: str, limits: dict, out_w: int, err_w: int, vm_size: int, workdir: str | None) -> None:
+        """In the forked child: confine, then run the code. Never returns."""
+        try:
+            os.setsid()
+            if self.full:
+                _isolation.private_tmp(limits["disk_mb"], limits["max_files"])
+            else:
+                os.chdir(workdir)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0), os.dup2(out_w, 1), os.dup2(err_w, 2)
+            os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            sys.stdin, sys.stdout, sys.stderr = None, os.fdopen(1, "w", buffering=1), os.fdopen(2, "w", buffering=1)
+            _set_limits(limits, vm_size, self.full)
+            if self.full:
+                _isolation.drop_capabilities()
+                _seccomp.install(self.filter)
+        except BaseException as err:
+            os.write(2, f"sandbox: could not confine the execution: {err}\n".encode())
+            os._exit(_CONFINE_FAILED)
+        _execute(code)
+
+    def _collect(self, pid: int, out_r: int, err_r: int, deadline: float, limit: int) -> tuple[bytes, bytes, str | None]:
+        """Read both pipes until they close and the child has ended, up to ``limit`` bytes each and
+        until ``deadline``. When the child ends, whatever it left running is ended too, so the pipes
+        it may have handed on close."""
+        pidfd = os.pidfd_open(pid)
+        buffers = {out_r: bytearray(), err_r: bytearray()}
+        open_fds, exited = [out_r, err_r], False
+        try:
+            while open_fds or not exited:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return bytes(buffers[out_r]), bytes(buffers[err_r]), "timeout"
+                ready, _, _ = select.select(open_fds + ([] if exited else [pidfd]), [], [], remaining)
+                for fd in ready:
+                    if fd == pidfd:
+                        exited = True
+                        self._kill_rest(pid)
+                        continue
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        open_fds.remove(fd)
+                    buffers[fd] += chunk
+                    if len(buffers[fd]) > limit:
+                        return bytes(buffers[out_r][:limit]), bytes(buffers[err_r][:limit]), "output"
+            return bytes(buffers[out_r]), bytes(buffers[err_r]), None
+        finally:
+            os.close(pidfd)
+
+    def _kill_rest(self, pid: int) -> None:
+        """Every process of the execution but the one ``pid`` names (its status is still to read)."""
+        if self.full:
+            _kill(-1)  # from process 1: every other process of this PID namespace
+        else:
+            for child in _children():
+                if child != pid:
+                    _kill(child)
+
+    def _end(self, pid: int) -> int:
+        """Kill what is left of the execution, reap it all, and return the child's wait status."""
+        _kill(pid)
+        self._kill_rest(pid)
+        status = os.waitpid(pid, 0)[1]
+        deadline = time.monotonic() + 10
+        while True:  # as process 1 (or subreaper) every orphan is ours to reap; a fork bomb may still fork
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("processes of an execution survived 10 s of SIGKILL")
+                    self._kill_rest(pid)
+                    time.sleep(0.001)
+            except ChildProcessError:
+                return status
 
 
-def _limit(kind: int, value: int) -> None:
+def _kill(pid: int) -> None:
     try:
-        resource.setrlimit(kind, (value, value))
-    except (ValueError, OSError):
-        pass  # a limit the OS refuses (e.g. above the hard limit) keeps its current value
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
-def _child(code: str, limits: dict, workdir: str, uid: int | None) -> None:
-    """In the forked child: confine, then run the code. Never returns."""
-    try:
-        _confine(limits, workdir, uid)
-    except BaseException as err:
-        os.write(2, f"sandbox: could not confine the execution: {err!r}\n".encode())
-        os._exit(126)
+def _children() -> list[int]:
+    me, found = str(os.getpid()), []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[1] == me:
+                found.append(int(name))
+        except (OSError, IndexError):
+            pass
+    return found
+
+
+def _set_limits(limits: dict, vm_size: int, full: bool) -> None:
+    cpu = max(1, int(limits["cpu_s"]))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size + limits["memory_mb"] * 2**20,) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["disk_mb"] * 2**20,) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
+    if full:  # counted in the sandbox's own user namespace: the launcher, the zygote, the execution's
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"] + 2,) * 2)
+
+
+def _execute(code: str) -> None:
     status = 0
     try:
         exec(compile(code, "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
@@ -84,157 +267,71 @@ def _child(code: str, limits: dict, workdir: str, uid: int | None) -> None:
             os._exit(status)
 
 
-def _confine(limits: dict, workdir: str, uid: int | None) -> None:
-    vm_size = _vm_size()  # before any chroot hides /proc
-    os.setsid()
-    out = os.open(os.path.join(workdir, "stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    err = os.open(os.path.join(workdir, "stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0), os.dup2(out, 1), os.dup2(err, 2)
-    os.closerange(3, 1 << 16)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
-    sys.stderr = os.fdopen(2, "w", buffering=1)
-    if uid is not None:
-        os.chown(workdir, uid, uid)
-        for name in ("stdout", "stderr"):
-            os.chown(os.path.join(workdir, name), uid, uid)
-        os.chroot(workdir)
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        os.chdir("/")
-    else:
-        os.chdir(workdir)
-        sys.addaudithook(_refuse)
-    cpu = max(1, int(limits["cpu_s"]))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    _limit(resource.RLIMIT_AS, vm_size + limits["memory_mb"] * 2**20)
-    _limit(resource.RLIMIT_FSIZE, limits["output_bytes"])
-    _limit(resource.RLIMIT_NPROC, limits["max_processes"])
-    _limit(resource.RLIMIT_CORE, 0)
-
-
-def _uid_pids(uid: int) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat(f"/proc/{name}").st_uid == uid:
-                    found.append(int(name))
-            except FileNotFoundError:
-                pass
-    return found
-
-
-def _kill_uid(uid: int) -> None:
-    """Kill every process of ``uid`` (the child, and anything it left behind or hid in a new
-    session), and reap them: this process is their subreaper, and unreaped zombies would still
-    count against the uid's process limit."""
-    deadline = time.monotonic() + 10
-    while _uid_pids(uid):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"processes of uid {uid} survived 10 s of SIGKILL")
-        helper = os.fork()
-        if helper == 0:
-            os.setuid(uid)
-            for _ in range(3):  # kill(-1): all this uid may signal but itself; a fork bomb may fork behind a sweep
-                try:
-                    os.kill(-1, signal.SIGKILL)
-                except ProcessLookupError:
-                    break
-            os._exit(0)
-        while os.waitpid(-1, 0)[0] != helper:  # reaping killed orphans on the way
-            pass
-        _reap()
-
-
-def _reap() -> None:
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
-            return
-
-
-def _read(path: str, limit: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode("utf-8", "replace")
-    except FileNotFoundError:
-        return ""
-
-
-def _classify(status: int, timed_out: bool, stderr: str, out_size: int, limits: dict) -> tuple[int | None, str | None]:
-    if timed_out:
+def _classify(status: int, stopped: str | None, stderr: str, limits: dict) -> tuple[int | None, str | None]:
+    if stopped == "timeout":
         return None, f"timeout: still running after {limits['wall_s']}s"
+    if stopped == "output":
+        return None, f"output limit ({limits['output_bytes']} bytes)"
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         reason = {signal.SIGXCPU: f"cpu time limit ({limits['cpu_s']}s)",
-                  signal.SIGXFSZ: f"output limit ({limits['output_bytes']} bytes)",
+                  signal.SIGXFSZ: f"file size limit ({limits['disk_mb']} MB)",
                   signal.SIGKILL: "killed (cpu or memory limit)"}.get(sig, f"killed by signal {sig}")
         return None, reason
     code = os.WEXITSTATUS(status)
+    if code == _CONFINE_FAILED and "sandbox: could not confine" in stderr:
+        return None, "sandbox failure: " + stderr.strip().splitlines()[-1]
     if "MemoryError" in stderr:
         return code, f"memory limit ({limits['memory_mb']} MB)"
-    if out_size >= limits["output_bytes"]:
-        return code, f"output limit ({limits['output_bytes']} bytes)"
     return code, None
 
 
-def run(request: dict, root: str, uid: int | None) -> dict:
-    limits = request["limits"]
-    workdir = tempfile.mkdtemp(prefix="x", dir=root)
-    start = time.monotonic()
+def _enter_namespaces() -> list:
+    """In the launcher: new namespaces, the host's uid/gid maps, then fork the zygote (process 1 of
+    the new PID namespace). Returns in the zygote; the launcher waits for it and exits with it."""
+    if os.geteuid() == 0:
+        try:
+            os.setgroups([])  # root's groups would otherwise stay with the sandbox's uid
+        except PermissionError:
+            raise _isolation.IsolationUnavailable(_isolation.ROOT_WITHOUT_CAPS) from None
+    _isolation.unshare(_isolation.NAMESPACES, "unshare(CLONE_NEWUSER|NEWNS|NEWNET|NEWIPC|NEWUTS|NEWPID)")
+    sources = _isolation.open_sources(_isolation.view_sources())
+    _send({"stage": "map"})
+    if _read_line(0) != "mapped":
+        raise _isolation.IsolationUnavailable("the host did not map the sandbox's user namespace")
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)  # now the unprivileged uid the host mapped, with capabilities only in here
     pid = os.fork()
     if pid == 0:
-        _child(request["code"], limits, workdir, uid)
-    deadline = start + limits["wall_s"]
-    timed_out, status = False, 0
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            timed_out = True
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            break
-        time.sleep(0.0005 if time.monotonic() - start < 0.05 else 0.005)
-    seconds = time.monotonic() - start
-    if uid is not None:
-        _kill_uid(uid)
-    else:
-        try:
-            os.killpg(pid, signal.SIGKILL)  # whatever it left in its session
-        except ProcessLookupError:
-            pass
-    out_path = os.path.join(workdir, "stdout")
-    stdout = _read(out_path, limits["output_bytes"])
-    stderr = _read(os.path.join(workdir, "stderr"), limits["output_bytes"])
-    out_size = os.path.getsize(out_path) if os.path.exists(out_path) else 0
-    shutil.rmtree(workdir, ignore_errors=True)
-    exit_code, error = _classify(status, timed_out, stderr, out_size, limits)
-    return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "error": error, "seconds": seconds}
+        _isolation.die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # process 1 ignores default-action signals from inside
+        return sources
+    for fd in (0, 1, 2):  # the host sees the pipes close when the zygote does
+        os.close(fd)
+    status = os.waitpid(pid, 0)[1]
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
 def main() -> None:
     config = json.loads(sys.argv[1])
-    isolated = os.geteuid() == 0 and config.get("isolate", True)
-    uid = config["uid"] if isolated else None
-    network_off = _leave_network() if isolated else False
-    # Orphans of an execution become this process's children, so they can be reaped here.
-    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for name in PRELOAD:
         __import__(name)
-    print(json.dumps({"ready": True, "isolated": isolated, "network_namespace": network_off}), flush=True)
+    try:
+        sources = _enter_namespaces() if config["isolation"] == "full" else None
+        zygote = Zygote(config, sources)
+        if zygote.full:
+            zygote.probe()
+    except (_isolation.IsolationUnavailable, _seccomp.SeccompError, OSError) as err:
+        _send({"ready": False, "error": str(err)})
+        os._exit(1)
+    _send({"ready": True, "isolation": config["isolation"]})
     for line in sys.stdin:
         try:
-            reply = run(json.loads(line), config["root"], uid)
+            reply = zygote.run(json.loads(line))
         except Exception as err:  # the zygote must outlive any one request
             reply = {"stdout": "", "stderr": "", "exit_code": None, "error": f"sandbox failure: {err!r}",
                      "seconds": 0.0}
-        print(json.dumps(reply), flush=True)
+        _send(reply)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,45 @@
 """A local sandbox for model-written Python: one forked process per execution, from a warm pool.
 
 Each execution runs in a fresh child of a pre-started interpreter (``_zygote.py``), so it does not
-pay a cold Python start. The child gets its own session and private temporary directory, limits
-on CPU time, memory, output size, processes and wall clock, and an environment with no secrets.
-As root (containers, CI) it also gets no network (an empty network namespace), a dedicated uid
-and a chroot, and every process of that uid is killed when it ends. Without root, an audit hook
-refuses sockets, subprocesses, forks and signals instead, which is weaker; see the module
-docstring of ``_zygote.py``.
+pay a cold Python start. Isolation is stated, never guessed:
+
+- ``full`` (the default): each interpreter lives in its own user, mount, network, IPC, UTS and PID
+  namespaces, mapped to an unprivileged uid outside; it sees a read-only root of only Python's
+  installation and the system libraries (no /proc, /sys, /dev/shm, /etc, home or data
+  directories); each execution gets its own size-limited /tmp, no capabilities, a seccomp filter
+  (no sockets, exec, tracing, mounts, new namespaces, keyrings, eBPF, io_uring), and limits on CPU,
+  memory, processes, open files, disk, output and wall clock. It needs no root, only a kernel that
+  allows unprivileged user namespaces; where it cannot be had, :class:`LocalSandbox` refuses to
+  start and says what is missing.
+- ``none``: the limits only, for a developer's own machine, by explicit choice.
+
+Output comes back through pipes opened before the fork; the host never opens a path the executed
+code could have touched, and nothing is cleaned up after it (its /tmp vanishes with it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import select
-import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from envs.code._isolation import ROOT_WITHOUT_CAPS
+
+logger = logging.getLogger(__name__)
+
 _ZYGOTE = str(Path(__file__).with_name("_zygote.py"))
 # The interpreter's environment: nothing from ours, so no key or token can reach executed code.
 _CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
               "PYTHONHASHSEED": "0"}
+ISOLATION_LEVELS = ("full", "none")
+_REPLY_BYTES = 4 * 2**20  # a reply carries at most two outputs of output_bytes, JSON-escaped
 
 
 @dataclass(frozen=True)
@@ -36,7 +50,13 @@ class Limits:
     output_bytes: int = 64 * 1024
     """Bytes kept from stdout (and stderr); writing more ends the execution."""
     max_processes: int = 8
-    """Processes the execution may run at once (enforced per uid, so only as root)."""
+    """Processes the execution may run at once (counted in the interpreter's user namespace)."""
+    disk_mb: int = 64
+    """Size of the execution's private /tmp (memory-backed), and of any one file it writes."""
+    max_files: int = 2048
+    """Files and directories the execution may create in its /tmp."""
+    max_open_files: int = 64
+    """File descriptors the execution may hold at once."""
 
 
 @dataclass(frozen=True)
@@ -58,19 +78,51 @@ class SandboxError(RuntimeError):
     """The sandbox itself failed (not the code it ran)."""
 
 
+class SandboxUnavailable(SandboxError):
+    """The sandbox cannot provide the isolation it was configured with; the message says what is missing."""
+
+
 class _Zygote:
-    def __init__(self, root: str, uid: int, start_timeout_s: float, isolate: bool) -> None:
-        config = json.dumps({"root": root, "uid": uid, "isolate": isolate})
+    def __init__(self, root: str, isolation: str, ids: tuple[int, int], start_timeout_s: float) -> None:
+        config = json.dumps({"root": root, "isolation": isolation})
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", _ZYGOTE, config], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_CLEAN_ENV,
                                      cwd=root, text=True, start_new_session=True)
-        self.info = self._reply(start_timeout_s)
+        try:
+            info = self._reply(start_timeout_s)
+            if info.get("stage") == "map":
+                self._map_ids(*ids)
+                info = self._reply(start_timeout_s)
+        except SandboxError:
+            self.kill()
+            raise
+        if not info.get("ready"):
+            self.kill()
+            raise SandboxUnavailable(f"the sandbox cannot provide isolation '{isolation}': {info.get('error')}")
+        if info.get("isolation") != isolation:  # never a silent downgrade
+            self.kill()
+            raise SandboxUnavailable(f"the sandbox started with isolation {info.get('isolation')!r}, "
+                                     f"not the {isolation!r} it was asked for")
+
+    def _map_ids(self, uid: int, gid: int) -> None:
+        """Map the interpreter's "root" to ``uid``/``gid`` outside (written from here, the parent
+        user namespace, which an unprivileged host may do for its own ids)."""
+        pid = self.proc.pid
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+                with open(f"/proc/{pid}/{name}", "w") as f:
+                    f.write(text)
+        except OSError as err:
+            why = " " + ROOT_WITHOUT_CAPS if os.geteuid() == 0 else ""
+            raise SandboxUnavailable(f"the sandbox cannot map its user namespace to uid {uid} ({err.strerror} "
+                                     f"writing {err.filename}).{why}") from None
+        self.proc.stdin.write("mapped\n")
+        self.proc.stdin.flush()
 
     def _reply(self, timeout_s: float) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline() if ready else ""
+        line = self.proc.stdout.readline(_REPLY_BYTES) if ready else ""
         if not line:
-            self.kill()
             raise SandboxError(f"sandbox interpreter did not answer within {timeout_s:.0f}s")
         return json.loads(line)
 
@@ -81,7 +133,7 @@ class _Zygote:
 
     def kill(self) -> None:
         try:
-            os.killpg(self.proc.pid, 9)
+            os.killpg(self.proc.pid, 9)  # the launcher and the zygote; the zygote's end ends its namespace
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=10)
@@ -90,34 +142,43 @@ class _Zygote:
 class LocalSandbox:
     """``sandbox.execute(code) -> ExecResult``; thread-safe, ``size`` executions at once."""
 
-    def __init__(self, size: int = 2, limits: Limits = Limits(), base_uid: int | None = None,
-                 start_timeout_s: float = 30.0, isolate: bool = True) -> None:
-        """``isolate=False`` skips the root-only measures (uid, chroot, network namespace) even as
-        root, leaving the audit-hook fallback; tests use it to exercise that path.
+    def __init__(self, size: int = 2, limits: Limits = Limits(), isolation: str = "full",
+                 start_timeout_s: float = 30.0, base_uid: int | None = None) -> None:
+        """``isolation``: 'full', or 'none' to run with limits only (a developer's own machine).
 
-        Each interpreter runs its executions as its own uid, and ending an execution kills every
-        process of that uid, so no two sandboxes on a machine may share one: by default the uids
-        come from this process's pid."""
+        As root each interpreter's namespace maps to its own unprivileged uid, by default derived
+        from this process's pid so that two sandboxes on a machine never share one; otherwise to
+        this user's uid."""
         if not 1 <= size <= 16:
             raise ValueError("a sandbox has 1 to 16 interpreters")
+        if isolation not in ISOLATION_LEVELS:
+            raise ValueError(f"sandbox isolation must be one of {ISOLATION_LEVELS}, got {isolation!r}")
         if base_uid is None:
             base_uid = 200_000 + (os.getpid() % 100_000) * 16
-        self.limits = limits
+        self.limits, self.isolation, self.start_timeout_s = limits, isolation, start_timeout_s
         self.root = tempfile.mkdtemp(prefix="ray_forge_sandbox_")
-        os.chmod(self.root, 0o711)  # sandbox uids may enter their own directories, not list others
-        self.start_timeout_s = start_timeout_s
-        self._isolate = isolate
+        os.chmod(self.root, 0o755)  # an empty mount point; the sandbox's root is a tmpfs over it
+        root_host = os.geteuid() == 0
+        self._ids = [(base_uid + i, base_uid + i) if root_host else (os.geteuid(), os.getegid()) for i in range(size)]
+        if isolation == "none":
+            logger.warning("code sandbox with isolation 'none': executed code can read, write and reach "
+                           "whatever this user can. Use it only on your own machine.")
         self._idle: queue.Queue[tuple[int, _Zygote]] = queue.Queue()
-        self.uids = [base_uid + i for i in range(size)]
-        zygotes = [self._spawn(slot) for slot in range(size)]
-        for slot, zygote in enumerate(zygotes):
-            self._idle.put((slot, zygote))
-        self.isolated = zygotes[0].info["isolated"]
-        self.network_namespace = zygotes[0].info["network_namespace"]
         self._closed = False
+        try:
+            for slot in range(size):
+                self._idle.put((slot, self._spawn(slot)))
+        except BaseException:
+            self.close()
+            raise
 
     def _spawn(self, slot: int) -> _Zygote:
-        return _Zygote(self.root, self.uids[slot], self.start_timeout_s, self._isolate)
+        return _Zygote(self.root, self.isolation, self._ids[slot], self.start_timeout_s)
+
+    @property
+    def pids(self) -> list[int]:
+        """The interpreters' launcher processes (each with its zygote and executions below it)."""
+        return [zygote.proc.pid for _, zygote in list(self._idle.queue)]
 
     def execute(self, code: str, limits: Limits | None = None) -> ExecResult:
         limits = limits or self.limits
@@ -143,7 +204,10 @@ class LocalSandbox:
         self._closed = True
         while not self._idle.empty():
             self._idle.get_nowait()[1].kill()
-        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            os.rmdir(self.root)  # only ever an empty mount point here
+        except OSError as err:
+            logger.warning("sandbox root %s not removed: %s", self.root, err)
 
     def __enter__(self) -> "LocalSandbox":
         return self
