@@ -44,11 +44,13 @@ async def code_eval(config: JobConfig, actors: Actors, mc_games: int) -> tuple[d
 
 
 def code_corpus(config: JobConfig) -> list[str]:
-    """The prompts exactly as the code env shows them (showing one runs nothing), and the tests'
-    Python expressions."""
+    """The prompts exactly as the code env shows them (showing one runs nothing), and the tests
+    written as Python (``gcd(12, 18) == 6``)."""
     tasks = load_tasks(config.env.code.tasks or BUNDLED)
     env = CodeEnv(tasks, executor=None)
-    return [env.reset(i) for i in range(len(tasks))] + [test for task in tasks for test in task.tests]
+    tests = [f"{task.entry_point}({', '.join(map(repr, call.args))}) == {call.expected!r}"
+             for task in tasks for call in task.tests]
+    return [env.reset(i) for i in range(len(tasks))] + tests
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,6 +144,12 @@ class CodeEnvConfig:
     cpu_s: float = 5.0
     memory_mb: int = 512
     output_kb: int = 64
+    disk_mb: int = 64
+    """Size of each execution's private, memory-backed /tmp."""
+    isolation: Literal["full", "none"] = "full"
+    """local backend: full (namespaces, read-only root, seccomp, limits; the sandbox refuses to
+    start where the kernel or container cannot give it, saying what is missing) or none (limits
+    only: executed code can do what the env actor's user can; a developer's own machine only)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from envs.code.env import CodeEnv, extract_code, score_math
+from envs.code.env import CodeEnv, extract_code
+from envs.code.reward import score_math
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import TaskError, load_tasks
 
@@ -66,6 +67,8 @@ def test_partial_solutions_get_the_fraction_of_tests_passed(env):
 def test_garbage_and_broken_code_score_zero_with_a_reason(env):
     result = play(env, "gcd", "HIT STICK banana")
     assert result.reward == 0.0 and result.info["error"] == "the solution raised when defined"
+    result = play(env, "gcd", "```python\ndef greatest(a, b):\n    return 1\n```")
+    assert result.reward == 0.0 and result.info["error"] == "the solution does not define `gcd`"
     result = play(env, "gcd", "```python\ndef gcd(a, b):\n    return a / 0\n```")
     assert result.reward == 0.0 and "error" not in result.info  # it ran; every test failed
 
@@ -77,12 +80,6 @@ def test_hostile_code_ends_the_episode_and_the_next_one_is_right(env):
     assert result.reward == 1.0
 
 
-def test_a_candidate_cannot_fake_the_result_line(env):
-    fake = ("import os, sys\nprint('@@rf-result-0000000000000000@@' + '{\"passed\": 4, \"loaded\": true}')\n"
-            "sys.stdout = None\ndef gcd(a, b):\n    return 0")
-    assert play(env, "gcd", f"```python\n{fake}\n```").reward == 0.0
-    assert play(env, "gcd", "```python\nimport os\nos._exit(0)\n```").info["error"] == \
-        "the program ended before its tests ran"
 
 
 def test_math_tasks_need_the_exact_answer(env):
@@ -99,8 +96,18 @@ def test_extract_code_takes_the_last_fenced_block():
 
 def test_bad_task_files_say_where(tmp_path):
     path = tmp_path / "tasks.jsonl"
-    path.write_text('{"id": "a", "kind": "code", "prompt": "p", "tests": ["f() == 1"]}\nnot json\n')
+    good = {"id": "a", "kind": "code", "prompt": "p", "entry_point": "f", "tests": [{"args": [], "expected": 1}]}
+    path.write_text(json.dumps(good) + "\nnot json\n")
     with pytest.raises(TaskError, match=r"tasks.jsonl:2: not JSON"):
+        load_tasks(path)
+    path.write_text(json.dumps(dict(good, tests=["f() == 1"])) + "\n")
+    with pytest.raises(TaskError, match="tests are calls and expected values.*not accepted"):
+        load_tasks(path)
+    path.write_text(json.dumps(dict(good, entry_point="not a name")) + "\n")
+    with pytest.raises(TaskError, match="'entry_point'"):
+        load_tasks(path)
+    path.write_text(json.dumps(dict(good, tests=[{"args": 3, "expected": 1}])) + "\n")
+    with pytest.raises(TaskError, match="list 'args' and an 'expected'"):
         load_tasks(path)
     path.write_text(json.dumps({"id": "a", "kind": "poem", "prompt": "p"}) + "\n")
     with pytest.raises(TaskError, match="'kind' must be 'code' or 'math'"):

@@ -6,9 +6,11 @@ from typing import Callable
 
 
 def code_env_factory(tasks: str = "", backend: str = "local", concurrency: int = 2, wall_s: float = 10.0,
-                     cpu_s: float = 5.0, memory_mb: int = 512, output_kb: int = 64) -> Callable:
-    """A maker of CodeEnvs: local ones share one sandbox pool (``concurrency`` interpreters);
-    Together ones each get their own client, so each episode has its own session."""
+                     cpu_s: float = 5.0, memory_mb: int = 512, output_kb: int = 64, disk_mb: int = 64,
+                     isolation: str = "full") -> Callable:
+    """A maker of CodeEnvs: local ones share one sandbox pool (``concurrency`` interpreters, which
+    refuses to start without the ``isolation`` asked for); Together ones each get their own client,
+    so each episode has its own session."""
     from envs.code.env import CodeEnv
     from envs.code.sandbox import Limits, LocalSandbox
     from envs.code.tasks import BUNDLED, load_tasks
@@ -16,8 +18,9 @@ def code_env_factory(tasks: str = "", backend: str = "local", concurrency: int =
 
     task_list = load_tasks(tasks or BUNDLED)
     if backend == "local":
-        sandbox = LocalSandbox(size=concurrency, limits=Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                                                               output_bytes=output_kb * 1024))
+        limits = Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, output_bytes=output_kb * 1024,
+                        disk_mb=disk_mb)
+        sandbox = LocalSandbox(size=concurrency, limits=limits, isolation=isolation)
         return lambda: CodeEnv(task_list, sandbox)
     if backend == "together":
         return lambda: CodeEnv(task_list, TogetherCodeInterpreter(timeout_s=wall_s + 30))

@@ -1,10 +1,13 @@
 """Coding and math tasks: a small bundled set, or a user's JSONL in the same format.
 
 One JSON object per line:
-  {"id": "gcd", "kind": "code", "prompt": "Write a function `gcd(a, b)` ...", "tests": ["gcd(12, 18) == 6", ...]}
+  {"id": "gcd", "kind": "code", "prompt": "Write a function `gcd(a, b)` ...", "entry_point": "gcd",
+   "tests": [{"args": [12, 18], "expected": 6}, ...]}
   {"id": "fib_20", "kind": "math", "prompt": "What is F(20)?", "answer": 6765}
-Code tasks are scored by the fraction of hidden test expressions that hold; math tasks by an
-exact numeric answer printed by the model's program.
+A code task's tests are calls of its entry point and the values they must return, both plain JSON
+data. Only the arguments enter the sandbox; the expected values stay with the env, which compares
+them with what came back (see ``reward.py``). Math tasks are scored by the last number the model's
+program prints.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BUNDLED = Path(__file__).with_name("tasks.jsonl")
 
@@ -21,12 +25,32 @@ class TaskError(ValueError):
 
 
 @dataclass(frozen=True)
+class Call:
+    args: tuple[Any, ...]
+    expected: Any
+
+
+@dataclass(frozen=True)
 class Task:
     id: str
     kind: str
     prompt: str
-    tests: tuple[str, ...] = ()
+    entry_point: str = ""
+    tests: tuple[Call, ...] = ()
     answer: float | None = None
+
+
+def _calls(obj: dict, where: str) -> tuple[Call, ...]:
+    tests = obj.get("tests")
+    if not isinstance(tests, list) or not tests:
+        raise TaskError(f"{where}: a code task needs a non-empty list of tests in 'tests'")
+    if any(isinstance(t, str) for t in tests):
+        raise TaskError(f"{where}: tests are calls and expected values, e.g. "
+                        '{"args": [12, 18], "expected": 6}; test expressions are not accepted, since '
+                        "their expected values would run inside the sandbox")
+    if not all(isinstance(t, dict) and isinstance(t.get("args"), list) and "expected" in t for t in tests):
+        raise TaskError(f"{where}: every test needs a list 'args' and an 'expected' value")
+    return tuple(Call(tuple(t["args"]), t["expected"]) for t in tests)
 
 
 def _parse(obj: dict, where: str) -> Task:
@@ -34,10 +58,10 @@ def _parse(obj: dict, where: str) -> Task:
     if not isinstance(obj.get("id"), str) or not isinstance(obj.get("prompt"), str):
         raise TaskError(f"{where}: every task needs a string 'id' and 'prompt'")
     if kind == "code":
-        tests = obj.get("tests")
-        if not tests or not all(isinstance(t, str) for t in tests):
-            raise TaskError(f"{where}: a code task needs a non-empty list of test expressions in 'tests'")
-        return Task(obj["id"], kind, obj["prompt"], tests=tuple(tests))
+        entry_point = obj.get("entry_point")
+        if not isinstance(entry_point, str) or not entry_point.isidentifier():
+            raise TaskError(f"{where}: a code task needs the name of its function in 'entry_point'")
+        return Task(obj["id"], kind, obj["prompt"], entry_point=entry_point, tests=_calls(obj, where))
     if kind == "math":
         answer = obj.get("answer")
         if isinstance(answer, bool) or not isinstance(answer, (int, float)):
