@@ -8,9 +8,9 @@ Three layers, each giving messages that say where and why:
 1. the OpenAPI schema of the kind, from the CRD (unknown fields are errors, as with
    ``kubectl apply --validate=strict``);
 2. the rules the KubeRay operator enforces beyond the schema (names, TTL, resources, labels);
-3. ray_forge's own rules: secrets only from Secrets, a quiet head, ``/dev/shm`` on GPU pods, and
-   the job config's placement groups fitting the node groups (for a RayJob whose entrypoint
-   names a config).
+3. ray_forge's own rules: secrets only from Secrets, a quiet head, ``/dev/shm`` on GPU pods, the
+   env pool's pods set up for the code sandbox and nothing more, and the job config's placement
+   groups fitting the node groups (for a RayJob whose entrypoint names a config).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
 _RESOURCE_PARAMS = ("num-cpus", "num-gpus", "memory", "resources")
+SANDBOX_POOL = "cpu"  # the pool label of the env actors' nodes, where the code sandbox runs
+_NOT_ON_SANDBOX_PODS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
 class ManifestError(ValueError):
@@ -206,7 +208,8 @@ def node_groups(cluster_spec: dict) -> list[NodeGroup]:
 
 
 def project_errors(doc: dict) -> list[str]:
-    """Secrets only through secretKeyRef; a head that takes no work; /dev/shm on GPU pods."""
+    """Secrets only through secretKeyRef; a head that takes no work; /dev/shm on GPU pods; sandbox
+    pods set up for the sandbox alone."""
     spec = doc.get("spec") or {}
     cluster = spec.get("rayClusterSpec") if doc.get("kind") == "RayJob" else spec
     if not cluster:
@@ -226,6 +229,40 @@ def project_errors(doc: dict) -> list[str]:
                if m.get("mountPath") == "/dev/shm" and m.get("name") in in_memory]
         if nodes.gpus and not shm:
             errors.append(f"group {name}: GPU pods need a memory-backed /dev/shm volume (vLLM, NCCL, shm weights)")
+        if nodes.labels.get(POOL_LABEL) == SANDBOX_POOL:
+            errors += sandbox_pod_errors(name, pod)
+    return errors
+
+
+def sandbox_pod_errors(name: str, pod: dict) -> list[str]:
+    """The env pool's pods get what the code sandbox needs (user namespaces and mounts inside them,
+    which the default seccomp and AppArmor profiles refuse) and nothing more: the image's non-root
+    user, no capability, no privilege escalation, no host namespaces or paths, no HF token, no data
+    volume."""
+    at, context = f"group {name} (sandbox pods)", pod.get("securityContext") or {}
+    containers = pod.get("containers") or []
+    errors = []
+    if context.get("runAsNonRoot") is not True or context.get("runAsUser") == 0:
+        errors.append(f"{at}: set securityContext.runAsNonRoot: true (the image's user, not root)")
+    for profile, why in (("seccompProfile", "user namespaces"), ("appArmorProfile", "mounts in a user namespace")):
+        types = {(context.get(profile) or {}).get("type")} | {((c.get("securityContext") or {}).get(profile) or {})
+                                                             .get("type") for c in containers} - {None}
+        if types != {"Unconfined"}:
+            errors.append(f"{at}: the sandbox needs {why}, which the default {profile} refuses; set "
+                          f"securityContext.{profile}.type: Unconfined (it would refuse to start)")
+    for container in containers:
+        sc, where = container.get("securityContext") or {}, f"{at} container {container.get('name')}"
+        capabilities = sc.get("capabilities") or {}
+        if sc.get("allowPrivilegeEscalation") is not False or sc.get("privileged"):
+            errors.append(f"{where}: set allowPrivilegeEscalation: false and no privileged")
+        if "ALL" not in (capabilities.get("drop") or []) or capabilities.get("add"):
+            errors.append(f"{where}: drop ALL capabilities and add none (the sandbox needs none)")
+        errors += [f"{where}: {var['name']} must not reach the sandbox pods" for var in container.get("env") or []
+                   if var.get("name") in _NOT_ON_SANDBOX_PODS]
+    errors += [f"{at}: {key} exposes the node to the sandbox" for key in ("hostPID", "hostIPC", "hostNetwork")
+               if pod.get(key)]
+    errors += [f"{at}: volume {v.get('name')} ({kind}) does not belong on sandbox pods"
+               for v in pod.get("volumes") or [] for kind in ("hostPath", "persistentVolumeClaim") if kind in v]
     return errors
 
 

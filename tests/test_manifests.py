@@ -72,6 +72,7 @@ def broken(doc: dict, path: str, value) -> dict:
 
 
 CLUSTER = "spec.rayClusterSpec"
+SANDBOX_POD = f"{CLUSTER}.workerGroupSpecs.1.template.spec"
 BROKEN = [
     # the CRD's schema
     ("spec.shutdownAfterJobFinishes", "yes", "shutdownAfterJobFinishes: 'yes' is not of type 'boolean'"),
@@ -96,6 +97,19 @@ BROKEN = [
     (f"{CLUSTER}.workerGroupSpecs.1.labels", {"ray_forge/pool": "cpus"}, "no worker group has nodes labelled"),
     ("spec.entrypoint", "python jobs/grpo.py --config jobs/configs/blackjack_qwen3_1p7b.yaml env.num_actors=9",
      "pool 'cpu': env needs 2 CPU"),
+    # the sandbox pods: what the code sandbox needs, and nothing more
+    (f"{SANDBOX_POD}.containers.0.env", [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "h", "key": "t"}}}],
+     "HF_TOKEN must not reach the sandbox pods"),
+    (f"{SANDBOX_POD}.securityContext.seccompProfile", {"type": "RuntimeDefault"}, "the sandbox needs user namespaces"),
+    (f"{SANDBOX_POD}.securityContext.appArmorProfile", None, "mounts in a user namespace"),
+    (f"{SANDBOX_POD}.securityContext.runAsNonRoot", None, "runAsNonRoot: true"),
+    (f"{SANDBOX_POD}.securityContext.runAsUser", 0, "runAsNonRoot: true"),
+    (f"{SANDBOX_POD}.containers.0.securityContext.capabilities", {"add": ["SYS_ADMIN"]}, "drop ALL capabilities"),
+    (f"{SANDBOX_POD}.containers.0.securityContext.privileged", True, "no privileged"),
+    (f"{SANDBOX_POD}.containers.0.securityContext.allowPrivilegeEscalation", None, "allowPrivilegeEscalation: false"),
+    (f"{SANDBOX_POD}.hostPID", True, "hostPID exposes the node"),
+    (f"{SANDBOX_POD}.volumes", [{"name": "data", "persistentVolumeClaim": {"claimName": "ray-forge-data"}}],
+     "volume data (persistentVolumeClaim) does not belong"),
 ]
 
 
@@ -103,6 +117,15 @@ BROKEN = [
 def test_a_broken_copy_fails_and_says_why(schemas, rayjob, path, value, message):
     errors = validate(broken(rayjob, path, value), schemas, ROOT)
     assert any(message in e for e in errors), errors
+
+
+def test_the_sandbox_pods_carry_no_hf_token_and_only_the_sandboxs_needs(rayjob):
+    """The env pool's group is the one with the sandbox rules, and the shipped one passes them."""
+    cpu = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][1]
+    assert cpu["labels"] == {"ray_forge/pool": "cpu"}
+    pod = cpu["template"]["spec"]
+    assert [v["name"] for v in pod["containers"][0]["env"]] == ["TOGETHER_API_KEY"]
+    assert "volumes" not in pod and pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
 def test_the_command_validates_and_fails_with_reasons(tmp_path, rayjob):
