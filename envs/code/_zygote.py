@@ -84,10 +84,10 @@ def _read_line(fd: int) -> str:
 class Zygote:
     def __init__(self, config: dict, sources: list | None) -> None:
         self.full = config["isolation"] == "full"
-        self.root = config["root"]
+        self.workdir = config["workdir"]
         self.status_fd = os.open("/proc/self/status", os.O_RDONLY)  # VmSize, read before every fork
         if self.full:
-            _isolation.build_root(self.root, sources)
+            _isolation.build_root("/tmp", sources)  # over /tmp of this private mount namespace
             _isolation.undumpable()
             self.filter = _seccomp.build()
         else:
@@ -119,7 +119,7 @@ class Zygote:
         limits = request["limits"]
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        workdir = None if self.full else tempfile.mkdtemp(prefix="x", dir=self.root)
+        workdir = None if self.full else tempfile.mkdtemp(prefix="x", dir=self.workdir)
         vm_size = self._vm_size()
         start = time.monotonic()
         pid = os.fork()

@@ -24,6 +24,7 @@ import logging
 import os
 import queue
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ _ZYGOTE = str(Path(__file__).with_name("_zygote.py"))
 _CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
               "PYTHONHASHSEED": "0"}
 ISOLATION_LEVELS = ("full", "none")
-_REPLY_BYTES = 4 * 2**20  # a reply carries at most two outputs of output_bytes, JSON-escaped
+_STARTUP_REPLY_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,11 @@ class SandboxUnavailable(SandboxError):
 
 
 class _Zygote:
-    def __init__(self, root: str, isolation: str, ids: tuple[int, int], start_timeout_s: float) -> None:
-        config = json.dumps({"root": root, "isolation": isolation})
+    def __init__(self, isolation: str, ids: tuple[int, int], start_timeout_s: float, workdir: str) -> None:
+        config = json.dumps({"isolation": isolation, "workdir": workdir})
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", _ZYGOTE, config], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_CLEAN_ENV,
-                                     cwd=root, text=True, start_new_session=True)
+                                     cwd=workdir, text=True, start_new_session=True)
         try:
             info = self._reply(start_timeout_s)
             if info.get("stage") == "map":
@@ -119,9 +120,9 @@ class _Zygote:
         self.proc.stdin.write("mapped\n")
         self.proc.stdin.flush()
 
-    def _reply(self, timeout_s: float) -> dict:
+    def _reply(self, timeout_s: float, max_chars: int = _STARTUP_REPLY_BYTES) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline(_REPLY_BYTES) if ready else ""
+        line = self.proc.stdout.readline(max_chars) if ready else ""
         if not line:
             raise SandboxError(f"sandbox interpreter did not answer within {timeout_s:.0f}s")
         return json.loads(line)
@@ -129,7 +130,9 @@ class _Zygote:
     def run(self, code: str, limits: Limits) -> dict:
         self.proc.stdin.write(json.dumps({"code": code, "limits": asdict(limits)}) + "\n")
         self.proc.stdin.flush()
-        return self._reply(limits.wall_s + 10)  # the zygote enforces wall_s itself; this is its own bound
+        # The zygote enforces wall_s itself; this is its own bound. A reply holds two outputs of at
+        # most output_bytes, each byte at most 6 characters once JSON-escaped.
+        return self._reply(limits.wall_s + 10, 12 * limits.output_bytes + _STARTUP_REPLY_BYTES)
 
     def kill(self) -> None:
         try:
@@ -156,8 +159,8 @@ class LocalSandbox:
         if base_uid is None:
             base_uid = 200_000 + (os.getpid() % 100_000) * 16
         self.limits, self.isolation, self.start_timeout_s = limits, isolation, start_timeout_s
-        self.root = tempfile.mkdtemp(prefix="ray_forge_sandbox_")
-        os.chmod(self.root, 0o755)  # an empty mount point; the sandbox's root is a tmpfs over it
+        # Executions' own folders with isolation 'none' (full isolation gives each its own /tmp).
+        self.workdir = tempfile.mkdtemp(prefix="ray_forge_sandbox_") if isolation == "none" else "/"
         root_host = os.geteuid() == 0
         self._ids = [(base_uid + i, base_uid + i) if root_host else (os.geteuid(), os.getegid()) for i in range(size)]
         if isolation == "none":
@@ -173,7 +176,7 @@ class LocalSandbox:
             raise
 
     def _spawn(self, slot: int) -> _Zygote:
-        return _Zygote(self.root, self.isolation, self._ids[slot], self.start_timeout_s)
+        return _Zygote(self.isolation, self._ids[slot], self.start_timeout_s, self.workdir)
 
     @property
     def pids(self) -> list[int]:
@@ -204,10 +207,8 @@ class LocalSandbox:
         self._closed = True
         while not self._idle.empty():
             self._idle.get_nowait()[1].kill()
-        try:
-            os.rmdir(self.root)  # only ever an empty mount point here
-        except OSError as err:
-            logger.warning("sandbox root %s not removed: %s", self.root, err)
+        if self.isolation == "none":
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "LocalSandbox":
         return self
