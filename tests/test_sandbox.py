@@ -429,3 +429,51 @@ def test_isolation_none_is_an_explicit_opt_in_and_says_so(caplog):
         assert result.ok and result.stdout == "True\n"  # no namespaces: it sees the machine
         assert "timeout" in box.execute("import time\ntime.sleep(60)").error  # the limits still hold
         still_correct(box)
+
+
+def test_no_process_outside_the_execution_is_visible_to_tamper_with(host):
+    """Its first process is process 1 of a PID namespace of its own: the zygote that forks the
+    next executions cannot be reached to lower its limits (prlimit needs only the same uid)."""
+    code = ("import os, resource\nreached = []\nfor pid in range(1, 200):\n"
+            "    if pid in (1, os.getpid()):\n        continue\n"
+            "    try:\n        resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, 3))\n        reached.append(pid)\n"
+            "    except OSError:\n        pass\n"
+            "resource.prlimit(1, resource.RLIMIT_NOFILE, (3, 3))\nresource.prlimit(1, resource.RLIMIT_DATA, (2**20,) * 2)\n"
+            "print(os.getpid(), os.getppid(), reached)")
+    result = host.execute(code)
+    assert result.ok and result.stdout == "2 1 []\n", result
+    after = host.execute("import os, resource\nopen_fds = []\nfor fd in range(3, 4096):\n    try:\n        os.fstat(fd)\n"
+                         "        open_fds.append(fd)\n    except OSError:\n        pass\n"
+                         "print(resource.getrlimit(resource.RLIMIT_NOFILE), "
+                         "resource.getrlimit(resource.RLIMIT_DATA)[0] == resource.RLIM_INFINITY, open_fds)\nx = bytearray(50 * 2**20)")
+    assert after.ok and after.stdout == f"({LIMITS.max_open_files}, {LIMITS.max_open_files}) True []\n", after
+    still_correct(host)
+
+
+def test_memory_the_kernel_would_keep_or_share_is_refused(host):
+    """System V shared memory, message queues, semaphores and memfd are outside every rlimit, and
+    the first two outlive the execution; flock on the read-only files is a channel between sandboxes."""
+    code = ("import ctypes, fcntl, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print('shmget', libc.shmget(0x5EC7, 1 << 20, 0o1666), ctypes.get_errno())\n"
+            "print('msgget', libc.msgget(0x5EC7, 0o1666), ctypes.get_errno())\n"
+            "print('semget', libc.semget(0x5EC7, 1, 0o1666), ctypes.get_errno())\n"
+            "print('mq_open', libc.mq_open(b'/q', 0o100 | 2, 0o600, None), ctypes.get_errno())\n"
+            "print('memfd', libc.memfd_create(b'm', 0), ctypes.get_errno())\n"
+            "fd = os.open('/usr/lib/os-release' if os.path.exists('/usr/lib/os-release') else '/dev/null', os.O_RDONLY)\n"
+            "print('flock', libc.flock(fd, 2 | 4), ctypes.get_errno())\n")
+    result = host.execute(code)
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert set(lines) == {"shmget", "msgget", "semget", "mq_open", "memfd", "flock"}, result
+    assert all(value == "-1 1" for value in lines.values()), lines
+    still_correct(host)
+
+
+def test_a_program_posing_as_a_sandbox_failure_only_fails_itself(host):
+    code = ("import os\nn = 16 * 1024\nos.write(1, b'\\x01' * (n - 1))\n"
+            "os.write(2, b'sandbox: could not confine\\n' + b'\\x01' * (n - 40))\nos._exit(126)")
+    result = host.execute(code)
+    assert result.error is not None and len(result.error) < 500
+    fake = host.execute("import sys\nprint('MemoryError', file=sys.stderr)")
+    assert fake.ok and fake.error is None
+    assert all(Path(f"/proc/{pid}").exists() for pid in host.pids)  # the same interpreter, not a respawn
+    still_correct(host)

@@ -57,6 +57,10 @@ def unshare(flags: int, step: str) -> None:
     _check(_libc.unshare(flags), step)
 
 
+def setns(fd: int, flags: int, step: str) -> None:
+    _check(_libc.setns(fd, flags), step)
+
+
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     encode = (lambda s: None if s is None else s.encode())
     _check(_libc.mount(encode(source), target.encode(), encode(fstype), flags, encode(data)),

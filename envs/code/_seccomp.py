@@ -31,6 +31,15 @@ DENIED = {
     "settimeofday": 164, "clock_settime": 227, "adjtimex": 159, "clock_adjtime": 305,
     "sethostname": 170, "setdomainname": 171, "iopl": 172, "ioperm": 173, "personality": 135,
     "uselib": 134, "syslog": 103, "fanotify_init": 300, "lookup_dcookie": 212, "mknod": 133, "mknodat": 259,
+    "statmount": 457, "listmount": 458, "process_madvise": 440, "process_mrelease": 448, "migrate_pages": 256,
+    "move_pages": 279, "get_robust_list": 274,
+    # Memory no rlimit counts, kept by the kernel after the execution ends, and shared between
+    # executions: memfd, System V IPC, POSIX message queues. And flock, a channel between sandboxes
+    # through the read-only files they share.
+    "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67,
+    "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70,
+    "msgctl": 71, "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243,
+    "mq_notify": 244, "mq_getsetattr": 245, "flock": 73,
 }
 _CLONE, _CLONE3 = 56, 435
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
@@ -42,6 +51,9 @@ _LD_ABS_W, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _RET_KILL_PROCESS, _RET_ALLOW, _RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
 _OFFSET_NR, _OFFSET_ARCH, _OFFSET_ARG0 = 0, 4, 16
 _PR_SET_NO_NEW_PRIVS, _SYS_SECCOMP, _SECCOMP_SET_MODE_FILTER = 38, 317, 1
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class SeccompError(OSError):
@@ -83,7 +95,7 @@ class _SockFprog(ctypes.Structure):
 def install(program: bytes) -> None:
     """Apply ``program`` to this thread and its future children, for good (no new privileges
     either, so nothing exec'd later can drop it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise SeccompError(err, f"prctl(PR_SET_NO_NEW_PRIVS) failed: {errno.errorcode.get(err, err)}")

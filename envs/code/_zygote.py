@@ -40,6 +40,7 @@ PRELOAD = ("math", "cmath", "re", "json", "itertools", "functools", "collections
            "signal", "socket", "encodings.idna", "ctypes")
 _PR_SET_CHILD_SUBREAPER = 36
 _CONFINE_FAILED = 126
+_OUT_OF_MEMORY, _OUT_OF_MEMORY_TEXT = 137, b"MemoryError: the sandbox's memory limit was reached\n"
 # The probe runs like any candidate; a full sandbox must show each of these, or it does not start.
 _PROBE = """
 import ctypes, json, os, socket
@@ -51,7 +52,7 @@ except PermissionError:
     seen["socket"] = "refused"
 seen["mount"] = ctypes.CDLL(None).mount(b"none", b"/tmp", b"tmpfs", 0, None) == 0
 seen["proc"] = os.path.exists("/proc/self")
-seen["ppid"] = os.getppid()
+seen["pid"], seen["ppid"] = os.getpid(), os.getppid()
 try:
     open("/probe", "w")
     seen["root_writable"] = True
@@ -61,7 +62,7 @@ with open("probe", "w") as f:
     seen["tmp_writable"] = f.write("x") == 1
 print(json.dumps(seen))
 """
-_PROBE_EXPECTED = {"socket": "refused", "mount": False, "proc": False, "ppid": 1, "root_writable": False,
+_PROBE_EXPECTED = {"socket": "refused", "mount": False, "proc": False, "pid": 2, "ppid": 1, "root_writable": False,
                    "tmp_writable": True}
 
 
@@ -87,6 +88,7 @@ class Zygote:
         self.workdir = config["workdir"]
         self.status_fd = os.open("/proc/self/status", os.O_RDONLY)  # VmSize, read before every fork
         if self.full:
+            self.pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY)
             _isolation.build_root("/tmp", sources)  # over /tmp of this private mount namespace
             _isolation.undumpable()
             self.filter = _seccomp.build()
@@ -119,19 +121,24 @@ class Zygote:
         limits = request["limits"]
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        status_r, status_w = os.pipe()
         workdir = None if self.full else tempfile.mkdtemp(prefix="x", dir=self.workdir)
         vm_size = self._vm_size()
+        if self.full:  # the next child is process 1 of a PID namespace of its own
+            _isolation.setns(self.pid_namespace, _isolation.CLONE_NEWPID, "setns back to the zygote's PID namespace")
+            _isolation.unshare(_isolation.CLONE_NEWPID, "unshare(CLONE_NEWPID) for the execution")
         start = time.monotonic()
-        pid = os.fork()
-        if pid == 0:
-            os.close(out_r), os.close(err_r)
-            self._child(request["code"], limits, out_w, err_w, vm_size, workdir)
-        os.close(out_w), os.close(err_w)
+        keeper = os.fork()
+        if keeper == 0:
+            os.close(out_r), os.close(err_r), os.close(status_r)
+            self._keeper(request["code"], limits, (out_w, err_w, status_w), vm_size, workdir)
+        os.close(out_w), os.close(err_w), os.close(status_w)
         try:
-            out, err, stopped = self._collect(pid, out_r, err_r, start + limits["wall_s"], limits["output_bytes"])
+            out, err, stopped = self._collect(keeper, out_r, err_r, start + limits["wall_s"], limits["output_bytes"])
         finally:
             os.close(out_r), os.close(err_r)
-            status = self._end(pid)
+            status = self._end(keeper)
+            status = _reported_status(status_r, status)
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)  # fd-based: never follows the child's links
         stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
@@ -139,8 +146,11 @@ class Zygote:
         return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "error": error,
                 "seconds": time.monotonic() - start}
 
-    def _child(self, code: str, limits: dict, out_w: int, err_w: int, vm_size: int, workdir: str | None) -> None:
-        """In the forked child: confine, then run the code. Never returns."""
+    def _keeper(self, code: str, limits: dict, fds: tuple[int, int, int], vm_size: int, workdir: str | None) -> None:
+        """The execution's first process (with full isolation, process 1 of its PID namespace, so
+        its end ends every process of the execution and none can see the zygote): confine, fork the
+        process that runs the code, report its wait status. Never returns."""
+        out_w, err_w, status_w = fds
         try:
             os.setsid()
             if self.full:
@@ -148,17 +158,24 @@ class Zygote:
             else:
                 os.chdir(workdir)
             null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0), os.dup2(out_w, 1), os.dup2(err_w, 2)
-            os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            os.dup2(null, 0), os.dup2(out_w, 1), os.dup2(err_w, 2), os.dup2(status_w, 3)
+            os.closerange(4, 2**30)  # a fixed bound: a lowered file limit must not leave one open
             sys.stdin, sys.stdout, sys.stderr = None, os.fdopen(1, "w", buffering=1), os.fdopen(2, "w", buffering=1)
             _set_limits(limits, vm_size, self.full)
             if self.full:
                 _isolation.drop_capabilities()
                 _seccomp.install(self.filter)
+            runner = os.fork()
         except BaseException as err:
-            os.write(2, f"sandbox: could not confine the execution: {err}\n".encode())
+            os.write(2, f"sandbox: could not confine the execution: {str(err)[:300]}\n".encode())
             os._exit(_CONFINE_FAILED)
-        _execute(code)
+        if runner == 0:
+            os.close(3)
+            _execute(code)
+        os.close(0), os.close(1), os.close(2)
+        status = os.waitpid(runner, 0)[1]
+        os.write(3, status.to_bytes(4, "little"))
+        os._exit(0)
 
     def _collect(self, pid: int, out_r: int, err_r: int, deadline: float, limit: int) -> tuple[bytes, bytes, str | None]:
         """Read both pipes until they close and the child has ended, up to ``limit`` bytes each and
@@ -188,30 +205,40 @@ class Zygote:
         finally:
             os.close(pidfd)
 
-    def _kill_rest(self, pid: int) -> None:
-        """Every process of the execution but the one ``pid`` names (its status is still to read)."""
-        if self.full:
-            _kill(-1)  # from process 1: every other process of this PID namespace
-        else:
+    def _kill_rest(self, keeper: int) -> None:
+        """Every process of the execution but the keeper (its status is still to read). With full
+        isolation the kernel did this when the keeper, process 1 of their namespace, ended."""
+        if not self.full:
             for child in _children():
-                if child != pid:
+                if child != keeper:
                     _kill(child)
 
-    def _end(self, pid: int) -> int:
-        """Kill what is left of the execution, reap it all, and return the child's wait status."""
-        _kill(pid)
-        self._kill_rest(pid)
-        status = os.waitpid(pid, 0)[1]
+    def _end(self, keeper: int) -> int:
+        """Kill what is left of the execution, reap it all, and return the keeper's wait status."""
+        _kill(keeper)  # with full isolation, this ends its whole PID namespace
+        status = os.waitpid(keeper, 0)[1]
+        if self.full:
+            return status
         deadline = time.monotonic() + 10
-        while True:  # as process 1 (or subreaper) every orphan is ours to reap; a fork bomb may still fork
+        while True:  # as subreaper every orphan is ours to reap; a fork bomb may still fork
+            self._kill_rest(keeper)
             try:
                 if os.waitpid(-1, os.WNOHANG)[0] == 0:
                     if time.monotonic() > deadline:
                         raise RuntimeError("processes of an execution survived 10 s of SIGKILL")
-                    self._kill_rest(pid)
                     time.sleep(0.001)
             except ChildProcessError:
                 return status
+
+
+def _reported_status(status_r: int, keeper_status: int) -> int:
+    """The code's wait status as its keeper reported it; the keeper's own when it reported none
+    (it was killed: timeout or output limit)."""
+    try:
+        data = os.read(status_r, 4) if select.select([status_r], [], [], 0)[0] else b""
+    finally:
+        os.close(status_r)
+    return int.from_bytes(data, "little") if len(data) == 4 else keeper_status
 
 
 def _kill(pid: int) -> None:
@@ -241,8 +268,8 @@ def _set_limits(limits: dict, vm_size: int, full: bool) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))
     resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
-    if full:  # counted in the sandbox's own user namespace: the launcher, the zygote, the execution's
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"] + 2,) * 2)
+    if full:  # counted in the sandbox's own user namespace, with the launcher, the zygote and the keeper
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"] + 3,) * 2)
 
 
 def _execute(code: str) -> None:
@@ -252,8 +279,8 @@ def _execute(code: str) -> None:
     except SystemExit as stop:
         status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except MemoryError:
-        os.write(2, b"MemoryError: the sandbox's memory limit was reached\n")
-        status = 137
+        os.write(2, _OUT_OF_MEMORY_TEXT)
+        status = _OUT_OF_MEMORY
     except BaseException:
         import traceback
 
@@ -280,8 +307,8 @@ def _classify(status: int, stopped: str | None, stderr: str, limits: dict) -> tu
         return None, reason
     code = os.WEXITSTATUS(status)
     if code == _CONFINE_FAILED and "sandbox: could not confine" in stderr:
-        return None, "sandbox failure: " + stderr.strip().splitlines()[-1]
-    if "MemoryError" in stderr:
+        return None, "sandbox failure: " + stderr.strip().splitlines()[-1][:400]
+    if code == _OUT_OF_MEMORY and stderr.endswith(_OUT_OF_MEMORY_TEXT.decode()):
         return code, f"memory limit ({limits['memory_mb']} MB)"
     return code, None
 

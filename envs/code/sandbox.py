@@ -6,9 +6,11 @@ pay a cold Python start. Isolation is stated, never guessed:
 - ``full`` (the default): each interpreter lives in its own user, mount, network, IPC, UTS and PID
   namespaces, mapped to an unprivileged uid outside; it sees a read-only root of only Python's
   installation and the system libraries (no /proc, /sys, /dev/shm, /etc, home or data
-  directories); each execution gets its own size-limited /tmp, no capabilities, a seccomp filter
-  (no sockets, exec, tracing, mounts, new namespaces, keyrings, eBPF, io_uring), and limits on CPU,
-  memory, processes, open files, disk, output and wall clock. It needs no root, only a kernel that
+  directories); each execution runs in a PID namespace of its own (it cannot see the zygote that
+  forks the next one, and its first process's end kills every process it started), with its own
+  size-limited /tmp, no capabilities, a seccomp filter (no sockets, exec, tracing, mounts, new
+  namespaces, keyrings, eBPF, io_uring, memfd, System V IPC, flock), and limits on CPU, memory,
+  processes, open files, disk, output and wall clock. It needs no root, only a kernel that
   allows unprivileged user namespaces; where it cannot be had, :class:`LocalSandbox` refuses to
   start and says what is missing.
 - ``none``: the limits only, for a developer's own machine, by explicit choice.
@@ -46,8 +48,14 @@ _STARTUP_REPLY_BYTES = 64 * 1024
 @dataclass(frozen=True)
 class Limits:
     wall_s: float = 10.0
+    """Wall clock for the whole execution, every process it started included."""
     cpu_s: float = 5.0
+    """CPU seconds of each of its processes (rlimits are per process: the execution as a whole uses
+    at most max_processes x cpu_s, and never more than the cores give in wall_s)."""
     memory_mb: int = 512
+    """Address space of each of its processes; the execution as a whole maps at most
+    max_processes x memory_mb, plus its /tmp (disk_mb). Memory that no rlimit counts (memfd, System
+    V IPC, message queues) is refused."""
     output_bytes: int = 64 * 1024
     """Bytes kept from stdout (and stderr); writing more ends the execution."""
     max_processes: int = 8
