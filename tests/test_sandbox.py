@@ -302,20 +302,21 @@ def test_links_where_output_was_read_and_where_cleanup_ran_reach_nothing(host):
     still_correct(host)
 
 
-def test_ctypes_kill_socket_and_ptrace_are_refused(host):
-    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            f"for pid in (os.getppid(), 1, {os.getpid()}, -1):\n"
-            "    libc.kill(pid, 9)\n"
-            "print('socket', libc.socket(2, 1, 0), ctypes.get_errno())\n"
-            "print('raw', libc.socket(17, 3, 0), ctypes.get_errno())\n"
-            "print('attach', libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())\n"
-            "print('traceme', libc.ptrace(0, 0, 0, 0), ctypes.get_errno())\n"
-            "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
-            "print('execve', libc.execve(b'/usr/bin/env', None, None), ctypes.get_errno())\n")
+def refused_calls(host, calls: dict[str, str], before: str = "") -> None:
+    """Each libc call (name -> call text, ``libc.`` omitted) returns -1 with EPERM."""
+    code = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n" + before + "".join(
+        f"print({name!r}, libc.{call}, ctypes.get_errno())\n" for name, call in calls.items())
     result = host.execute(code)
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
-    assert set(lines) == {"socket", "raw", "attach", "traceme", "unshare", "execve"}, result
-    assert all(value == "-1 1" for value in lines.values()), lines  # each failed with EPERM
+    assert set(lines) == set(calls), result
+    assert all(value == "-1 1" for value in lines.values()), lines
+
+
+def test_ctypes_kill_socket_and_ptrace_are_refused(host):
+    kills = f"for pid in (os.getppid(), 1, {os.getpid()}, -1):\n    libc.kill(pid, 9)\n"
+    refused_calls(host, {"socket": "socket(2, 1, 0)", "raw": "socket(17, 3, 0)",
+                         "attach": "ptrace(16, os.getppid(), 0, 0)", "traceme": "ptrace(0, 0, 0, 0)",
+                         "unshare": "unshare(0x10000000)", "execve": "execve(b'/usr/bin/env', None, None)"}, kills)
     assert all(Path(f"/proc/{pid}").exists() for pid in host.pids)
     still_correct(host)
 
@@ -453,18 +454,10 @@ def test_no_process_outside_the_execution_is_visible_to_tamper_with(host):
 def test_memory_the_kernel_would_keep_or_share_is_refused(host):
     """System V shared memory, message queues, semaphores and memfd are outside every rlimit, and
     the first two outlive the execution; flock on the read-only files is a channel between sandboxes."""
-    code = ("import ctypes, fcntl, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            "print('shmget', libc.shmget(0x5EC7, 1 << 20, 0o1666), ctypes.get_errno())\n"
-            "print('msgget', libc.msgget(0x5EC7, 0o1666), ctypes.get_errno())\n"
-            "print('semget', libc.semget(0x5EC7, 1, 0o1666), ctypes.get_errno())\n"
-            "print('mq_open', libc.mq_open(b'/q', 0o100 | 2, 0o600, None), ctypes.get_errno())\n"
-            "print('memfd', libc.memfd_create(b'm', 0), ctypes.get_errno())\n"
-            "fd = os.open('/usr/lib/os-release' if os.path.exists('/usr/lib/os-release') else '/dev/null', os.O_RDONLY)\n"
-            "print('flock', libc.flock(fd, 2 | 4), ctypes.get_errno())\n")
-    result = host.execute(code)
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
-    assert set(lines) == {"shmget", "msgget", "semget", "mq_open", "memfd", "flock"}, result
-    assert all(value == "-1 1" for value in lines.values()), lines
+    shared_file = "fd = os.open('/usr/lib/os-release' if os.path.exists('/usr/lib/os-release') else '/dev/null', 0)\n"
+    refused_calls(host, {"shmget": "shmget(0x5EC7, 1 << 20, 0o1666)", "msgget": "msgget(0x5EC7, 0o1666)",
+                         "semget": "semget(0x5EC7, 1, 0o1666)", "mq_open": "mq_open(b'/q', 0o100 | 2, 0o600, None)",
+                         "memfd": "memfd_create(b'm', 0)", "flock": "flock(fd, 2 | 4)"}, shared_file)
     still_correct(host)
 
 
