@@ -127,7 +127,8 @@ def test_the_reward_range_holds_for_any_result_line():
     lines = ["", "@@m@@", "@@m@@{", "@@m@@[]", '@@m@@{"loaded": "yes"}', "@@m@@" + "[" * 100000,
              '@@m@@{"loaded": "yes", "results": [{"value": 1}, {"value": 2}, {"value": 3}, {"value": 4}]}',
              '@@m@@{"loaded": "yes", "results": [{"value": 1, "error": "x"}, {}, {}]}',
-             '@@m@@{"loaded": "maybe", "results": []}', "@@m@@" + "9" * 5000,
+             '@@m@@{"loaded": "maybe", "results": []}', "@@m@@" + "9" * 5000, '@@m@@{"loaded": [], "results": []}',
+             '@@m@@{"loaded": {}, "results": []}',
              "@@m@@" + json.dumps({"loaded": "yes", "results": [{"value": c.expected} for c in task.tests]})]
     values += [call.expected for call in task.tests]  # so some lines score above 0
     for _ in range(300):
@@ -155,6 +156,7 @@ def test_plain_data_equality_cannot_be_fooled():
     assert same(1, 1.0) and same(0.1 + 0.2, 0.3) and not same("1", 1) and not same(None, 0)
     assert same([1, [2]], [1, [2]]) and not same([1, 2], [1, 2, 3]) and not same({"a": 1}, {"a": 1, "b": 2})
     assert not same([1], (1,)) and same({"a": [None]}, {"a": [None]})
+    assert not same(10**400, 1.5) and not same([10**400], [2.0])  # too large for a float: no OverflowError
 
 
 def test_the_same_scoring_runs_through_togethers_code_interpreter(monkeypatch):

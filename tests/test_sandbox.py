@@ -131,11 +131,12 @@ def descendants(pid: int) -> set[int]:
 
 
 def only_the_zygote_is_left(host) -> None:
-    """Below the launcher there is just the zygote: nothing an execution started survived it."""
+    """Below the launcher there are just the zygote and the template it forks executions from:
+    nothing an execution started survived it."""
     deadline = time.monotonic() + 5
-    while len(left := descendants(host.pids[0])) != 1 and time.monotonic() < deadline:
+    while len(left := descendants(host.pids[0])) != 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(left) == 1, f"processes left below the sandbox's launcher: {left}"
+    assert len(left) == 2, f"processes left below the sandbox's launcher: {left}"
 
 
 def still_correct(host) -> None:
@@ -470,3 +471,42 @@ def test_a_program_posing_as_a_sandbox_failure_only_fails_itself(host):
     assert fake.ok and fake.error is None
     assert all(Path(f"/proc/{pid}").exists() for pid in host.pids)  # the same interpreter, not a respawn
     still_correct(host)
+
+
+_MEMORY_SCAN = """
+import ctypes, os
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.write.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+r, w = os.pipe()
+def readable(addr):  # write() answers EFAULT for an unmapped page instead of crashing
+    if libc.write(w, addr, 1) == 1:
+        os.read(r, 1)
+        return True
+    return False
+needle = bytes.fromhex({needle_hex!r})
+hits, seen = 0, []
+for seed in (libc.malloc(64), libc.malloc(300000), id(object()), id("x" * 5000), id(os)):
+    if any(lo <= seed < hi for lo, hi in seen):
+        continue
+    lo = hi = seed & ~4095
+    while readable(lo - 4096) and hi - lo < 2**30:
+        lo -= 4096
+    while readable(hi) and hi - lo < 2**30:
+        hi += 4096
+    seen.append((lo, hi))
+    hits += ctypes.string_at(lo, hi - lo).count(needle)
+print("regions", len(seen), "hits", hits)
+"""
+
+
+def test_no_execution_inherits_another_ones_code_or_output(host):
+    """Executions are forked from a process that never held a request or a reply, so one rollout
+    cannot copy a sibling's code or result line out of the memory it inherited. The scan reads
+    every page around its heap and objects, as an attacker did."""
+    secret = f"SIBLING-{uuid.uuid4().hex}"
+    assert host.execute(f"print({secret!r})").stdout == secret + "\n"
+    result = host.execute(_MEMORY_SCAN.format(needle_hex=secret.encode().hex()))
+    assert result.ok and result.stdout.endswith(" hits 1\n"), result  # only its own search term
+    control = host.execute(f"kept = {secret!r} * 2\n" + _MEMORY_SCAN.format(needle_hex=secret.encode().hex()))
+    assert control.ok and int(control.stdout.split()[-1]) > 1, control  # the scan does find what is there

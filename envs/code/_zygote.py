@@ -25,6 +25,7 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -87,11 +88,12 @@ class Zygote:
         self.full = config["isolation"] == "full"
         self.workdir = config["workdir"]
         self.status_fd = os.open("/proc/self/status", os.O_RDONLY)  # VmSize, read before every fork
+        self.filter = _seccomp.build()
         if self.full:
             self.pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY)
+            self.template = self._start_template(sources)
             _isolation.build_root("/tmp", sources)  # over /tmp of this private mount namespace
             _isolation.undumpable()
-            self.filter = _seccomp.build()
         else:
             import ctypes
 
@@ -122,17 +124,22 @@ class Zygote:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         status_r, status_w = os.pipe()
+        code_r, code_w = os.pipe()
         workdir = None if self.full else tempfile.mkdtemp(prefix="x", dir=self.workdir)
-        vm_size = self._vm_size()
-        if self.full:  # the next child is process 1 of a PID namespace of its own
-            _isolation.setns(self.pid_namespace, _isolation.CLONE_NEWPID, "setns back to the zygote's PID namespace")
-            _isolation.unshare(_isolation.CLONE_NEWPID, "unshare(CLONE_NEWPID) for the execution")
         start = time.monotonic()
-        keeper = os.fork()
-        if keeper == 0:
-            os.close(out_r), os.close(err_r), os.close(status_r)
-            self._keeper(request["code"], limits, (out_w, err_w, status_w), vm_size, workdir)
-        os.close(out_w), os.close(err_w), os.close(status_w)
+        child_fds = (code_r, out_w, err_w, status_w)
+        if self.full:  # forked by the template, which never held a request or an output
+            socket.send_fds(self.template, [json.dumps(limits).encode()], list(child_fds))
+        else:
+            keeper = os.fork()
+            if keeper == 0:
+                os.close(out_r), os.close(err_r), os.close(status_r), os.close(code_w)
+                self._keeper(limits, child_fds, self._vm_size(), workdir)
+        for fd in child_fds:
+            os.close(fd)
+        _send_code(code_w, request["code"])
+        if self.full:
+            keeper = int.from_bytes(_receive(self.template, 4, "the template's keeper pid"), "little")
         try:
             out, err, stopped = self._collect(keeper, out_r, err_r, start + limits["wall_s"], limits["output_bytes"])
         finally:
@@ -146,12 +153,50 @@ class Zygote:
         return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "error": error,
                 "seconds": time.monotonic() - start}
 
-    def _keeper(self, code: str, limits: dict, fds: tuple[int, int, int], vm_size: int, workdir: str | None) -> None:
+    def _start_template(self, sources: list) -> socket.socket:
+        """Fork the process that forks every execution, before any request is read: executions
+        inherit its memory, which never holds another execution's code or output."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if os.fork() == 0:
+            ours.close()
+            _isolation.die_with_parent()
+            for _, source in sources:
+                if isinstance(source, int):
+                    os.close(source)
+            self.status_fd = os.open("/proc/self/status", os.O_RDONLY)  # its own, before the root changes
+            os.close(0), os.close(1)
+            theirs.send(b"ready")
+            self._serve_as_template(theirs)
+        theirs.close()
+        _receive(ours, 5, "the template's start")
+        return ours
+
+    def _serve_as_template(self, sock: socket.socket) -> None:
+        """In the template: for each execution, fork its keeper into a new PID namespace, report the
+        keeper's pid, then its wait status. Ends when the zygote does."""
+        while True:
+            message, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+            if not message:
+                os._exit(0)
+            limits = json.loads(message)
+            _isolation.setns(self.pid_namespace, _isolation.CLONE_NEWPID, "setns back to the zygote's PID namespace")
+            _isolation.unshare(_isolation.CLONE_NEWPID, "unshare(CLONE_NEWPID) for the execution")
+            keeper = os.fork()
+            if keeper == 0:
+                sock.close()
+                self._keeper(limits, tuple(fds), self._vm_size(), None)
+            for fd in fds:
+                os.close(fd)
+            sock.send(keeper.to_bytes(4, "little"))
+            sock.send(os.waitpid(keeper, 0)[1].to_bytes(4, "little"))
+
+    def _keeper(self, limits: dict, fds: tuple[int, int, int, int], vm_size: int, workdir: str | None) -> None:
         """The execution's first process (with full isolation, process 1 of its PID namespace, so
-        its end ends every process of the execution and none can see the zygote): confine, fork the
-        process that runs the code, report its wait status. Never returns."""
-        out_w, err_w, status_w = fds
+        its end ends every process of the execution and none can see the zygote): read the code,
+        confine, fork the process that runs it, report its wait status. Never returns."""
+        code_r, out_w, err_w, status_w = fds
         try:
+            code = _read_all(code_r)
             os.setsid()
             if self.full:
                 _isolation.private_tmp(limits["disk_mb"], limits["max_files"])
@@ -216,9 +261,9 @@ class Zygote:
     def _end(self, keeper: int) -> int:
         """Kill what is left of the execution, reap it all, and return the keeper's wait status."""
         _kill(keeper)  # with full isolation, this ends its whole PID namespace
+        if self.full:  # the template is its parent and reaps it
+            return int.from_bytes(_receive(self.template, 4, "the keeper's status"), "little")
         status = os.waitpid(keeper, 0)[1]
-        if self.full:
-            return status
         deadline = time.monotonic() + 10
         while True:  # as subreaper every orphan is ours to reap; a fork bomb may still fork
             self._kill_rest(keeper)
@@ -229,6 +274,33 @@ class Zygote:
                     time.sleep(0.001)
             except ChildProcessError:
                 return status
+
+
+def _send_code(fd: int, code: str) -> None:
+    try:
+        data = code.encode()
+        while data:
+            data = data[os.write(fd, data):]
+    except BrokenPipeError:
+        pass  # the keeper died before reading it; its status says why
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int) -> str:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks).decode()
+
+
+def _receive(sock: socket.socket, size: int, what: str) -> bytes:
+    sock.settimeout(30)
+    data = sock.recv(size)
+    if len(data) != size:
+        raise RuntimeError(f"{what}: the template ended")
+    return data
 
 
 def _reported_status(status_r: int, keeper_status: int) -> int:
@@ -268,8 +340,8 @@ def _set_limits(limits: dict, vm_size: int, full: bool) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))
     resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
-    if full:  # counted in the sandbox's own user namespace, with the launcher, the zygote and the keeper
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"] + 3,) * 2)
+    if full:  # counted in the user namespace with the launcher, zygote, template and keeper
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"] + 4,) * 2)
 
 
 def _execute(code: str) -> None:

@@ -95,7 +95,10 @@ def same(value: Any, expected: Any) -> bool:
     if isinstance(expected, int):
         return type(value) is int and value == expected
     if isinstance(expected, float):
-        return type(value) in (int, float) and math.isclose(value, expected, rel_tol=1e-9, abs_tol=1e-12)
+        try:
+            return type(value) in (int, float) and math.isclose(value, expected, rel_tol=1e-9, abs_tol=1e-12)
+        except OverflowError:  # an int too large for a float
+            return False
     if isinstance(expected, list):
         return type(value) is list and len(value) == len(expected) and all(map(same, value, expected))
     if isinstance(expected, dict):
@@ -117,7 +120,7 @@ def read_results(stdout: str, marker: str, task: Task) -> tuple[str, list]:
         raise NoResult("the result line is not readable") from None
     loaded = report.get("loaded") if isinstance(report, dict) else None
     results = report.get("results") if isinstance(report, dict) else None
-    if (loaded not in _LOADED or not isinstance(results, list)
+    if (not isinstance(loaded, str) or loaded not in _LOADED or not isinstance(results, list)
             or len(results) != (len(task.tests) if loaded == "yes" else 0)
             or not all(isinstance(r, dict) and ("value" in r) != ("error" in r) for r in results)):
         raise NoResult("the result line is malformed")
