@@ -16,7 +16,7 @@ from envs.code.sandbox import ExecResult
 from envs.code.tasks import Task
 from ray_forge.env import StepResult
 
-_FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)  # [ \t]*, not \s*: no quadratic backtracking
 ERROR_REWARD_RANGE = (-1.0, 0.0)
 
 
