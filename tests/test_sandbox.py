@@ -29,14 +29,22 @@ KEY = "sk-test-secret-never-in-sandbox"
 UNPRIVILEGED_UID = 65534
 
 
-class UserHost:
-    """The sandbox's host process run as an unprivileged user, serving ``tests/sandbox_host.py``.
+# How ``setpriv`` runs the sandbox's host for each mode: an unprivileged user (no capabilities at
+# all), and root without CAP_SYS_ADMIN, as in an ordinary pod.
+SETPRIV = {"user": f"--reuid={UNPRIVILEGED_UID} --regid={UNPRIVILEGED_UID} --clear-groups --inh-caps=-all "
+                   "--bounding-set=-all",
+           "root_without_sys_admin": "--inh-caps=-sys_admin --bounding-set=-sys_admin"}
+
+
+class SubprocessHost:
+    """The sandbox's host process run by ``setpriv`` (see SETPRIV), serving ``tests/sandbox_host.py``.
 
     The Python installation may sit under a folder only root may enter (/root here), so the host
     runs in a private mount namespace where that folder is an empty tmpfs with just the Python
     installation bound back in place; envs/code is copied to a folder anyone may read."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str) -> None:
+        self.uid = UNPRIVILEGED_UID if mode == "user" else None
         self.code_dir = tempfile.mkdtemp(prefix="ray_forge_sandbox_code_")
         shutil.copytree(ROOT / "envs" / "code", Path(self.code_dir) / "envs" / "code",
                         ignore=shutil.ignore_patterns("__pycache__", "*.jsonl"))
@@ -45,8 +53,7 @@ class UserHost:
             os.chmod(path, 0o755)
         python = sys._base_executable
         script = "set -e\n" + _expose(sys.base_prefix) + (
-            f"exec setpriv --reuid={UNPRIVILEGED_UID} --regid={UNPRIVILEGED_UID} --clear-groups "
-            f"--inh-caps=-all --bounding-set=-all -- {python} {self.code_dir}/host.py {self.code_dir} "
+            f"exec setpriv {SETPRIV[mode]} -- {python} {self.code_dir}/host.py {self.code_dir} "
             f"'{json.dumps(LIMITS.__dict__)}'")
         shutil.copy(ROOT / "tests" / "sandbox_host.py", Path(self.code_dir) / "host.py")
         os.chmod(Path(self.code_dir) / "host.py", 0o755)
@@ -62,7 +69,7 @@ class UserHost:
 
         readable, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         line = self.proc.stdout.readline() if readable else ""
-        assert line, f"the unprivileged sandbox host did not answer within {timeout_s}s"
+        assert line, f"the sandbox host did not answer within {timeout_s}s"
         return line
 
     def execute(self, code: str) -> ExecResult:
@@ -87,7 +94,7 @@ def _expose(prefix: str) -> str:
 
 
 class RootHost:
-    """The sandbox in this process, which is root."""
+    """The sandbox in this process (root in CI)."""
 
     def __init__(self) -> None:
         os.environ["TOGETHER_API_KEY"] = KEY
@@ -102,14 +109,14 @@ class RootHost:
         os.environ.pop("TOGETHER_API_KEY", None)
 
 
-@pytest.fixture(scope="module", params=["root", "user"])
+@pytest.fixture(scope="module", params=["root", "root_without_sys_admin", "user"])
 def host(request):
-    if request.param == "root" and os.geteuid() != 0:
-        pytest.skip("the root variant needs root (CI runs as root); the unprivileged one ran in-process")
+    if request.param != "user" and os.geteuid() != 0:
+        pytest.skip("the root variants need root (CI runs as root); the unprivileged one ran in-process")
     if request.param == "user" and os.geteuid() != 0:
         made = RootHost()  # this process already is an unprivileged user
     else:
-        made = RootHost() if request.param == "root" else UserHost()
+        made = RootHost() if request.param == "root" else SubprocessHost(request.param)
     yield made
     made.close()
 
@@ -149,6 +156,20 @@ def test_plain_code_runs_and_reports(host):
     assert result.ok and result.stdout == "120\n" and result.error is None
     failed = host.execute("raise ValueError('bad input')")
     assert failed.exit_code == 1 and failed.error is None and "ValueError: bad input" in failed.stderr
+
+
+def test_dot_dot_above_its_root_and_open_by_handle_reach_nothing_of_the_host(host):
+    """An attack the first reviews did not try: climbing above the pivoted root by path, through
+    an O_PATH descriptor of '/', or by a file handle of a host inode."""
+    code = ("import ctypes, os\nfd = os.open('/', os.O_PATH)\n"
+            "print(sorted(os.listdir('/../../..')) == sorted(os.listdir('/')))\n"
+            "print(sorted(os.listdir(os.open('..', os.O_RDONLY, dir_fd=fd))) == sorted(os.listdir('/')))\n"
+            "os.chdir('/tmp/../../..')\nprint(os.getcwd(), os.path.exists('/work'), os.path.exists('/root/.bashrc'))\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.open_by_handle_at(fd, ctypes.create_string_buffer(64), 0), ctypes.get_errno())\n")
+    result = host.execute(code)
+    assert result.stdout == "True\nTrue\n/ False False\n-1 1\n", result
+    still_correct(host)
 
 
 def test_it_sees_only_what_python_needs(host):
@@ -370,14 +391,14 @@ def test_signalling_its_parent_the_host_or_everyone_harms_nothing(host):
 
 
 def test_the_sandbox_runs_as_an_unprivileged_uid(host):
-    """Launcher and zygote hold an unprivileged uid on the machine (65534 for the user host; a
-    dedicated one when the host is root), whatever they are called inside their namespace."""
+    """Launcher, zygote and template hold an unprivileged uid on the machine (65534 for the user
+    host; a dedicated one when the host is root), whatever they are called inside their namespace."""
     for pid in [host.pids[0], *descendants(host.pids[0])]:
         uids = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Uid:"))
         real, effective, saved, fs = map(int, uids.split()[1:])
         assert real == effective == saved == fs != 0
-        if isinstance(host, UserHost):
-            assert real == UNPRIVILEGED_UID
+        if getattr(host, "uid", None) is not None:
+            assert real == host.uid
 
 
 # Fail closed: the host process runs under a seccomp filter (as a container profile would be) that
