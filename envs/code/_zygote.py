@@ -87,14 +87,14 @@ class Zygote:
     def __init__(self, config: dict, sources: list | None) -> None:
         self.full = config["isolation"] == "full"
         self.workdir = config["workdir"]
-        self.status_fd = os.open("/proc/self/status", os.O_RDONLY)  # VmSize, read before every fork
-        self.filter = _seccomp.build()
-        if self.full:
+        if self.full:  # the template forks executions: it keeps the filter and its own VmSize
+            self.filter = _seccomp.build()
             self.pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY)
             self.template = self._start_template(sources)
             _isolation.build_root("/tmp", sources)  # over /tmp of this private mount namespace
             _isolation.undumpable()
         else:
+            self.status_fd = os.open("/proc/self/status", os.O_RDONLY)  # VmSize, read before every fork
             import ctypes
 
             ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come back here to be ended
