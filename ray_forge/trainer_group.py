@@ -38,6 +38,14 @@ class TrainerGroup:
         """All ranks gather the full weights; rank 0 puts them in the store. Returns rank 0's seconds."""
         return (await self._all("publish_weights", lambda rank: (spec, version)))[0]
 
+    async def save_checkpoint(self, folder: str) -> float:
+        """Every rank writes its shards into ``folder``; returns the slowest rank's seconds."""
+        return max(await self._all("save_checkpoint", lambda rank: (folder,)))
+
+    async def load_checkpoint(self, folder: str) -> int:
+        """Every rank restores its shards; returns the restored version."""
+        return (await self._all("load_checkpoint", lambda rank: (folder,)))[0]
+
     async def _all(self, method: str, args_for_rank) -> list:
         refs = [getattr(r, method).remote(*args_for_rank(i)) for i, r in enumerate(self.ranks)]
         return await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what=f"trainer-{i}.{method}")
@@ -52,9 +60,10 @@ class TrainerGroup:
 
 def combine_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Loss shares add up (each rank divides by the global normaliser); other statistics are
-    token-weighted means; grad norm, lr and version are the same on every rank."""
+    token-weighted means; grad norm, lr, version and a skipped update are the same on every rank."""
     num_tokens = sum(s["num_tokens"] for s in per_rank) or 1.0
     stats = {k: sum(s[k] for s in per_rank) / num_tokens for k in _TOKEN_WEIGHTED}
     stats.update(loss=sum(s["loss"] for s in per_rank), num_tokens=num_tokens,
-                 grad_norm=per_rank[0]["grad_norm"], lr=per_rank[0]["lr"], version=per_rank[0]["version"])
+                 grad_norm=per_rank[0]["grad_norm"], lr=per_rank[0]["lr"], version=per_rank[0]["version"],
+                 skipped_nonfinite=per_rank[0]["skipped_nonfinite"])
     return stats

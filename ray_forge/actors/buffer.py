@@ -1,4 +1,8 @@
-"""Off-policy replay buffer: scored GRPO groups, tagged with the policy version that made them."""
+"""Off-policy replay buffer: scored GRPO groups, tagged with the policy version that made them.
+
+It also keeps the run's game accounting, because every game passes through it exactly once:
+generated = trained + evicted as stale + dropped (no signal, or over capacity) + still buffered.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,13 @@ from collections import deque
 from dataclasses import dataclass
 
 import ray
+import torch
 
 from ray_forge.episode import Episode
+from ray_forge.grpo import group_advantages
+
+COUNTERS = ("generated", "trained", "evicted_stale", "dropped_no_signal", "dropped_full")
+"""Cumulative game counts, in the order of the identity above."""
 
 
 @dataclass
@@ -20,11 +29,19 @@ class _Entry:
         return min(e.policy_version for e in self.group)
 
 
+def has_signal(group: list[Episode]) -> bool:
+    """The same test as the trainer's advantages: a group whose rewards are all equal teaches nothing."""
+    _, keep = group_advantages(torch.tensor([e.reward for e in group]), group_size=len(group))
+    return bool(keep[0])
+
+
 class ReplayBuffer:
     """FIFO of whole groups (advantages compare games within a group, so groups stay intact).
 
     A group is evicted once it is more than ``max_policy_lag`` versions behind the trainer,
     after ``max_uses`` hand-outs, or when ``capacity_games`` is exceeded (oldest first).
+    ``next_batch`` is the rollout's position: the first batch not yet added, saved with the
+    contents so that a resumed run neither replays nor skips a batch.
     """
 
     def __init__(self, *, max_policy_lag: int, max_uses: int = 1, capacity_games: int = 65536) -> None:
@@ -34,25 +51,26 @@ class ReplayBuffer:
         self.max_uses = max_uses
         self.capacity_games = capacity_games
         self._entries: deque[_Entry] = deque()
-        self.num_evicted_stale = 0
-        self.num_dropped_full = 0
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.next_batch = 0
 
-    def add(self, groups: list[list[Episode]]) -> int:
+    def add(self, groups: list[list[Episode]], next_batch: int | None = None) -> int:
         for group in groups:
             self._entries.append(_Entry(list(group)))
+            self.counts["generated"] += len(group)
+        if next_batch is not None:
+            self.next_batch = next_batch
         while self.num_games() > self.capacity_games:
-            self._entries.popleft()
-            self.num_dropped_full += 1
+            self.counts["dropped_full"] += len(self._entries.popleft().group)
         return self.num_games()
 
     def evict_stale(self, trainer_version: int) -> int:
         """Drop groups older than ``trainer_version - max_policy_lag``; returns how many."""
         oldest_allowed = trainer_version - self.max_policy_lag
-        before = len(self._entries)
+        stale = [e for e in self._entries if e.policy_version < oldest_allowed]
         self._entries = deque(e for e in self._entries if e.policy_version >= oldest_allowed)
-        evicted = before - len(self._entries)
-        self.num_evicted_stale += evicted
-        return evicted
+        self.counts["evicted_stale"] += sum(len(e.group) for e in stale)
+        return len(stale)
 
     def sample(self, num_games: int, trainer_version: int) -> list[list[Episode]] | None:
         """Oldest fresh groups totalling ``num_games`` games, or None if there are not enough yet."""
@@ -68,14 +86,26 @@ class ReplayBuffer:
             entry.uses += 1
             if entry.uses >= self.max_uses:
                 self._entries.remove(entry)
+                self.counts["trained" if has_signal(entry.group) else "dropped_no_signal"] += len(entry.group)
         return batch
 
     def num_games(self) -> int:
         return sum(len(e.group) for e in self._entries)
 
     def stats(self) -> dict[str, int]:
-        return dict(buffer_games=self.num_games(), evicted_stale=self.num_evicted_stale,
-                    dropped_full=self.num_dropped_full)
+        """Cumulative game counts and the games still buffered (``buffer_games``)."""
+        return dict(self.counts, buffer_games=self.num_games())
+
+    def state(self) -> dict:
+        """Everything a checkpoint needs, taken in one call (the actor runs calls one at a time)."""
+        return dict(entries=[(e.group, e.uses) for e in self._entries], counts=dict(self.counts),
+                    next_batch=self.next_batch)
+
+    def load_state(self, state: dict) -> int:
+        self._entries = deque(_Entry(list(group), uses) for group, uses in state["entries"])
+        self.counts = dict(state["counts"])
+        self.next_batch = state["next_batch"]
+        return self.num_games()
 
 
 BufferActor = ray.remote(ReplayBuffer)

@@ -98,13 +98,21 @@ class TitanTrainer:
                 sums[key] += getattr(terms, key).item() * micro_tokens
         from torchtitan.distributed import utils as dist_utils
 
-        grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), self.cfg.max_grad_norm)
+        grad_norm = float(dist_utils.clip_grad_norm_(list(self.model.parameters()), self.cfg.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        # The norm is all-reduced, so every rank takes the same decision. A NaN or inf loss or
+        # gradient would poison the weights and the optimizer's moments for good: skip the
+        # update, keep the schedule and the version count moving, and report it.
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            log.warning("step %d skipped: gradient norm is %s (loss %s)", self.version + 1, grad_norm, sums["loss"])
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        return dict(sums, num_tokens=num_tokens, grad_norm=float(grad_norm), lr=lr, version=self.version)
+        return dict(sums, num_tokens=num_tokens, grad_norm=grad_norm, lr=lr, version=self.version,
+                    skipped_nonfinite=float(skipped))
 
     def _loss(self, micro: TensorBatch, normalizer: torch.Tensor):
         logits_BTV = self.model(micro.inputs_BT)
@@ -130,6 +138,37 @@ class TitanTrainer:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         save_file(state, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
         return out_dir
+
+    def save_checkpoint(self, folder: str) -> float:
+        """Model and optimizer shards through torch.distributed.checkpoint (every rank writes its
+        own), and this rank's LR schedule, version and RNG state. Returns seconds."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        start = time.monotonic()
+        state = {"model": self.model.state_dict(), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.save(state, checkpoint_id=str(Path(folder) / "trainer"))
+        torch.save(dict(scheduler=self.scheduler.state_dict(), version=self.version, rng=torch.get_rng_state()),
+                   Path(folder) / "trainer" / f"rank-{self.rank}.pt")
+        return time.monotonic() - start
+
+    def load_checkpoint(self, folder: str) -> int:
+        """Restore what :meth:`save_checkpoint` wrote, in place (after ``setup``); returns the version."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        # Asking for the optimizer's state dict first creates its (empty) moments, which the load then fills.
+        state = {"model": self.model.state_dict(), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.load(state, checkpoint_id=str(Path(folder) / "trainer"))
+        # TorchTitan's fused QKV shows wq/wk/wv in the state dict as copies, not views of the
+        # parameter: loading in place misses them, load_state_dict fuses them back.
+        self.model.load_state_dict(state["model"], strict=True)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        extra = torch.load(Path(folder) / "trainer" / f"rank-{self.rank}.pt", weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["rng"])
+        self.version = extra["version"]
+        return self.version
 
     def publish_weights(self, spec: StoreSpec, version: int) -> float:
         """Gather full weights (all ranks); rank 0 puts them in the weight store. Returns seconds.

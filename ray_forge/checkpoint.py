@@ -1,0 +1,166 @@
+"""Checkpoints in the run directory: written atomically, verified by checksums, the last N kept.
+
+Layout: ``<run_dir>/checkpoints/step-00000010/`` holds the trainer's sharded state (``trainer/``,
+written by every rank through torch.distributed.checkpoint), the driver's state (``driver.pkl``)
+and, written last, ``manifest.json`` with the size and SHA-256 of every other file. A checkpoint
+is built under a temporary name, its files fsynced, then renamed into place; only then is the
+manifest written (temporary name, fsync, rename). A folder without a manifest, or whose files do
+not match it, is skipped on resume with a warning, in favour of the one before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+DRIVER_STATE = "driver.pkl"
+TRAINER_DIR = "trainer"
+_PREFIX = "step-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read."""
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def staging_dir(run_dir: Path, step: int) -> Path:
+    """Where step ``step`` is built; a leftover from a crashed attempt is removed first."""
+    path = checkpoints_dir(run_dir) / f".{_PREFIX}{step:08d}.partial"
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        (path / TRAINER_DIR).mkdir(parents=True)
+    except OSError as err:
+        raise _write_error(run_dir, step, err) from err
+    return path
+
+
+def commit(run_dir: Path, step: int, staging: Path, driver_state: dict[str, Any], keep: int) -> Path:
+    """Add the driver's state to ``staging`` (whose trainer part is written), make it the
+    checkpoint of ``step``, and keep only the newest ``keep``. On any error the previous
+    checkpoints are untouched and the partial one is removed."""
+    final = checkpoints_dir(run_dir) / f"{_PREFIX}{step:08d}"
+    try:
+        with open(staging / DRIVER_STATE, "wb") as f:
+            pickle.dump(driver_state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        files = _fsync_and_hash(staging)
+        shutil.rmtree(final, ignore_errors=True)  # an unfinished one of the same step, from before a crash
+        os.rename(staging, final)
+        _fsync_dir(final.parent)
+        manifest = dict(step=step, files=files)
+        tmp = final / (MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final / MANIFEST)
+        _fsync_dir(final)
+    except OSError as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        raise _write_error(run_dir, step, err) from err
+    _prune(run_dir, keep)
+    return final
+
+
+def _write_error(run_dir: Path, step: int, err: OSError) -> CheckpointError:
+    previous = latest(run_dir, quiet=True)
+    kept = f"the previous checkpoint {previous.name} is intact" if previous else "there is no earlier checkpoint"
+    return CheckpointError(f"checkpoint of step {step} could not be written in {checkpoints_dir(run_dir)}: "
+                           f"{err.strerror or err} ({err.__class__.__name__}); {kept}")
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be used, or None if every file matches its manifest."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest (the write did not finish)"
+    except (OSError, ValueError) as err:
+        return f"unreadable manifest ({err})"
+    for name, want in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} is {size} bytes, the manifest says {want['bytes']}"
+        if _sha256(file) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def latest(run_dir: Path, quiet: bool = False) -> Path | None:
+    """The newest usable checkpoint; every newer one that is not usable is named with its reason."""
+    for path in reversed(_step_dirs(run_dir)):
+        reason = problem(path)
+        if reason is None:
+            return path
+        if not quiet:
+            log.warning("checkpoint %s skipped: %s", path.name, reason)
+    return None
+
+
+def read_driver_state(path: Path) -> dict[str, Any]:
+    with open(path / DRIVER_STATE, "rb") as f:
+        return pickle.load(f)  # our own file, verified against the manifest's checksum
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix(_PREFIX))
+
+
+def _step_dirs(run_dir: Path) -> list[Path]:
+    folder = checkpoints_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.iterdir() if p.name.startswith(_PREFIX) and p.is_dir()), key=step_of)
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    """Keep the newest ``keep`` usable checkpoints; older folders (usable or not) go."""
+    usable = [p for p in _step_dirs(run_dir) if problem(p) is None]
+    if len(usable) <= keep:
+        return
+    oldest_kept = step_of(usable[-keep])
+    for path in _step_dirs(run_dir):
+        if step_of(path) < oldest_kept:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_and_hash(root: Path) -> dict[str, dict]:
+    files = {}
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+        files[str(file.relative_to(root))] = dict(bytes=file.stat().st_size, sha256=_sha256(file))
+    for folder in {file.parent for file in root.rglob("*")} | {root}:
+        _fsync_dir(folder)
+    return files
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,87 @@
+"""Run directories: a fresh one per run, or an existing one to resume (``--resume PATH|auto``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ray_forge import checkpoint
+from ray_forge.config import ConfigError, load_config, to_dict
+from ray_forge.grpo_config import JobConfig
+
+CONFIG_FILE = "config.yaml"
+FINISHED_FILE = "eval.json"
+"""Written when a run has ended; ``--resume auto`` starts afresh after a finished run."""
+
+
+@dataclass(frozen=True)
+class Run:
+    config: JobConfig
+    run_dir: Path
+    resume_from: Path | None
+    """The checkpoint to continue from; None for a fresh start (also of a resumed run that had none)."""
+    resumed: bool = False
+    """The run directory exists already (``--resume``)."""
+
+
+def open_run(config_path: str, overrides: list[str], resume: str | None) -> Run:
+    """The run to do. Nothing is created on disk here: :func:`create` does that once the
+    model and config have been checked."""
+    config = load_config(JobConfig, config_path, overrides)
+    if resume is None:
+        return Run(config, new_run_dir(config), None)
+    run_dir = latest_unfinished(config) if resume == "auto" else Path(resume)
+    if run_dir is None:
+        return Run(config, new_run_dir(config), None)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"--resume {run_dir}: not a run directory (it has no {CONFIG_FILE})")
+    # The run keeps its own config; command-line overrides (e.g. more run.steps) apply on top.
+    config = load_config(JobConfig, run_dir / CONFIG_FILE, overrides)
+    return Run(config, run_dir, checkpoint.latest(run_dir), resumed=True)
+
+
+def new_run_dir(config: JobConfig) -> Path:
+    return Path(config.run.output_dir) / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def latest_unfinished(config: JobConfig) -> Path | None:
+    """The newest run directory of this config's ``run.name`` that has not finished."""
+    root = Path(config.run.output_dir)
+    if not root.is_dir():
+        return None
+    runs = sorted((p for p in root.glob(f"{config.run.name}-*") if (p / CONFIG_FILE).is_file()),
+                  key=lambda p: p.stat().st_mtime)
+    unfinished = [p for p in runs if not (p / FINISHED_FILE).exists()]
+    return unfinished[-1] if unfinished else None
+
+
+def create(run: Run) -> None:
+    """Make a fresh run's directory and write its resolved config (a resumed run has both)."""
+    run.run_dir.mkdir(parents=True, exist_ok=run.resumed)
+    (run.run_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(run.config), sort_keys=False))
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> float:
+    """Drop rows after ``last_step`` (logged after the checkpoint, and about to be redone), so the
+    resumed run appends without duplicate steps. Returns the kept rows' last wall time."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0.0
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = []
+    for line in rows:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by the kill
+            continue
+        if row["step"] <= last_step:
+            kept.append(row)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    os.replace(tmp, path)
+    return kept[-1]["wall_time_s"] if kept else 0.0
