@@ -8,8 +8,15 @@ Against a running cluster:
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
         python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml run.steps=5
 
-Flow: config -> actors -> rollout and training loops running concurrently -> weight push after
-every step -> periodic greedy evaluation -> final policy saved as an HF folder -> shutdown.
+Resume a run that was stopped (a killed driver, a restarted pod) from its newest checkpoint:
+    python jobs/grpo.py --resume runs/blackjack-tiny-20261201-101500
+    python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml --resume auto   # latest unfinished run, else fresh
+
+Flow: config -> actors (resumed: trainer, buffer and rollout position restored, engines synced)
+-> rollout and training loops running concurrently -> weight push after every step -> periodic
+greedy evaluation -> a checkpoint every ``run.checkpoint_every`` steps -> final policy saved as
+an HF folder -> shutdown. Env actors and engines that die are restarted by Ray and their games
+replayed (``ray_forge/fleet.py``); ``chaos.every_s`` kills some on purpose.
 The env (``env.name``; for an OpenEnv server, ``env.openenv.kind``) decides three things only, in
 ``jobs/env_hooks.py``: the texts a tiny model's tokenizer is trained on, the evaluation (BlackJack:
 exact return of the greedy decision table; code: greedy pass rate over every task, scored by the
@@ -23,67 +30,87 @@ import asyncio
 import dataclasses
 import json
 import logging
+import random
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import ray
-import yaml
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # env_hooks, beside this file
 
 from env_hooks import EnvHooks, env_hooks, rollout_settings  # noqa: E402
-from ray_forge import cluster  # noqa: E402
+from ray_forge import checkpoint, cluster  # noqa: E402
+from ray_forge.actors.buffer import COUNTERS  # noqa: E402
 from ray_forge.batch import groups_to_samples  # noqa: E402
-from ray_forge.config import load_config, to_dict  # noqa: E402
+from ray_forge.chaos import chaos_monkey  # noqa: E402
+from ray_forge.checkpoint import CheckpointError  # noqa: E402
+from ray_forge.config import ConfigError  # noqa: E402
+from ray_forge.fleet import Fleet, FleetError  # noqa: E402
 from ray_forge.grpo_config import JobConfig  # noqa: E402
 from ray_forge.launch import Actors, start_actors  # noqa: E402
 from ray_forge.metrics import MetricsLog, read_metrics  # noqa: E402
-from ray_forge.models import check_model_dir, make_tiny_qwen3  # noqa: E402
-from ray_forge.remote import call, get  # noqa: E402
-from ray_forge.rollout import play_groups  # noqa: E402
+from ray_forge.models import ModelError, check_model_dir, make_tiny_qwen3  # noqa: E402
+from ray_forge.remote import RemoteCallError, call, get  # noqa: E402
+from ray_forge.run_dir import FINISHED_FILE, Run, create, open_run, truncate_metrics  # noqa: E402
+from ray_forge.weights import WeightSyncError  # noqa: E402
 
 log = logging.getLogger("grpo")
 
 
 @dataclasses.dataclass
 class LoopState:
-    """Shared by the two loops (one event loop, so no locks)."""
+    """Shared by the loops (one event loop, so no locks)."""
 
     trainer_version: int = 0
     stop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     generated_tokens: int = 0
     played_games: int = 0
     rollout_seconds: float = 0.0
+    chaos_kills: list[str] = dataclasses.field(default_factory=list)
 
 
-async def rollout_loop(config: JobConfig, actors: Actors, state: LoopState) -> None:
+@dataclasses.dataclass
+class Progress:
+    """The driver's part of a checkpoint (the trainer and the buffer save their own)."""
+
+    step: int = 0
+    best: dict = dataclasses.field(default_factory=dict)
+    """The best evaluation so far and its step (``run.keep_best``)."""
+    evals: list[dict] = dataclasses.field(default_factory=list)
+    """Every evaluation's metrics row, with its step."""
+    row: dict = dataclasses.field(default_factory=dict)
+    """The metrics row of ``step``, written again on resume if the kill came before it was."""
+    counts: dict = dataclasses.field(default_factory=dict)
+    """The fleet's restart and replay counts and the chaos kills, carried across resumes."""
+
+
+async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: LoopState, batch: int) -> None:
     """Consumes the policy engines and env pools; produces scored GRPO groups into the buffer.
 
-    Waits while it is more than ``buffer.max_policy_lag`` batches ahead of the trainer, so it
-    keeps playing during a train step but never far ahead of the weights. Stops when
-    ``state.stop`` is set, after the batch in play.
+    Starts at batch ``batch`` (the buffer's saved position on resume). Waits while it is more
+    than ``buffer.max_policy_lag`` batches ahead of the weights the engines hold, so it keeps
+    playing during a train step but never far ahead of the weights; with a lag of 0 every batch
+    is played by the newest weights only. Stops when ``state.stop`` is set, after the batch in play.
     """
     settings = rollout_settings(config)
     num_groups = config.grpo.games_per_step // config.grpo.group_size
     num_chunks = max(len(actors.policies), len(actors.envs))
-    batch = 0
     while not state.stop.is_set():
-        if batch > state.trainer_version + config.buffer.max_policy_lag:
+        if batch > fleet.serving + config.buffer.max_policy_lag:
             await asyncio.sleep(0.01)
             continue
         group_ids = range(batch * num_groups, (batch + 1) * num_groups)
         groups = [(gid, config.run.seed * 1_000_003 + gid) for gid in group_ids]
         start = time.monotonic()
-        results = await asyncio.gather(*(
-            play_groups(actors.policies[i % len(actors.policies)], f"policy-{i % len(actors.policies)}",
-                        actors.envs[i % len(actors.envs)], f"env-{i % len(actors.envs)}",
-                        groups[i::num_chunks], settings, key=batch * num_chunks + i)
-            for i in range(num_chunks)))
+        results = await asyncio.gather(*(fleet.play(i, groups[i::num_chunks], settings, key=batch * num_chunks + i)
+                                         for i in range(num_chunks)))
         played = [group for chunk in results for group in chunk]
-        await call(actors.buffer.add.remote(played), timeout_s=60, what="buffer.add")
+        # The batch and the position after it go in together, so a checkpoint never has one without the other.
+        await call(actors.buffer.add.remote(played, batch + 1), timeout_s=60, what="buffer.add")
         state.rollout_seconds += time.monotonic() - start
         state.generated_tokens += sum(len(t.response_ids) for g in played for e in g for t in e.turns)
         state.played_games += sum(len(g) for g in played)
@@ -105,25 +132,67 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState, rollou
     raise TimeoutError(f"no training batch within {config.policy.call_timeout_s:.0f}s")
 
 
-async def push_weights(config: JobConfig, actors: Actors, version: int) -> dict[str, float]:
-    """The trainer puts ``version`` in the weight store; every policy pulls it in place."""
+async def push_weights(actors: Actors, fleet: Fleet, version: int) -> dict[str, float]:
+    """The trainer puts ``version`` in the weight store; every live policy pulls it in place."""
     start = time.monotonic()
     spec = actors.store.spec
     publish_s = await actors.trainer.publish_weights(spec, version)
     # A policy finishes its current generate call first, so this wait includes that.
-    load_s = await asyncio.gather(*(call(p.update_weights.remote(spec, version), timeout_s=spec.timeout_s,
-                                         what=f"policy-{i}.update_weights")
-                                    for i, p in enumerate(actors.policies)))
-    return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s, "weight_load_s": max(load_s)}
+    load_s = await fleet.push(spec, version)
+    return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s, "weight_load_s": load_s}
 
 
-async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, run_dir: Path) -> dict:
-    state = LoopState()
-    metrics = MetricsLog(run_dir, config.run.steps, progress=config.run.progress)
-    rollout = asyncio.create_task(rollout_loop(config, actors, state))
-    best: dict = {}
+async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet, mc_games: int) -> tuple[dict, dict]:
+    """The env's greedy evaluation of policy-0; if an actor it uses dies, again once it is back."""
+    for attempt in range(3):
+        await fleet.ready("policy-0")
+        await fleet.ready("env-0")
+        try:
+            return await hooks.evaluate(config, actors, mc_games)
+        except RemoteCallError as err:
+            if not err.died or err.actor not in fleet.members or attempt == 2:
+                raise
+            log.warning("%s; evaluating again once it is back", err)
+            fleet.recover(err.actor)
+    raise AssertionError("unreachable")
+
+
+def accounting(config: JobConfig, buffer_stats: dict[str, int], fleet: Fleet, state: LoopState,
+               counts: dict) -> dict[str, int]:
+    """Game counts since the run began: generated = trained + evicted + dropped + still buffered."""
+    row = dict(buffer_stats, **{k: v + counts.get(k, 0) for k, v in fleet.stats().items()
+                                if k in ("actor_restarts", "replayed_games")},
+               chaos_kills=len(state.chaos_kills) + counts.get("chaos_kills", 0))
+    row["buffer_size"] = row.pop("buffer_games")
+    accounted = sum(row[k] for k in COUNTERS[1:]) + row["buffer_size"]
+    if accounted != row["generated"]:
+        log.error("game accounting is off: %d generated, %d accounted for (%s)", row["generated"], accounted, row)
+    return row
+
+
+async def save_checkpoint(config: JobConfig, actors: Actors, run_dir: Path, progress: Progress) -> float:
+    """Trainer shards (every rank), then the buffer and rollout position in one call, then the
+    driver's state; made visible atomically (see ``ray_forge/checkpoint.py``). Returns seconds."""
+    start = time.monotonic()
+    staging = await asyncio.to_thread(checkpoint.staging_dir, run_dir, progress.step)
+    await actors.trainer.save_checkpoint(str(staging))
+    buffer_state = await call(actors.buffer.state.remote(), timeout_s=60, what="buffer.state")
+    driver = dict(dataclasses.asdict(progress), buffer=buffer_state, policy_version=progress.step,
+                  rng=dict(python=random.getstate(), torch=torch.get_rng_state()))
+    await asyncio.to_thread(checkpoint.commit, run_dir, progress.step, staging, driver, config.run.keep_checkpoints)
+    return time.monotonic() - start
+
+
+async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet, run_dir: Path,
+                progress: Progress, first_batch: int, wall_offset_s: float) -> None:
+    state = LoopState(trainer_version=progress.step)
+    metrics = MetricsLog(run_dir, config.run.steps, progress=config.run.progress, done_steps=progress.step,
+                         wall_offset_s=wall_offset_s)
+    rollout = asyncio.create_task(rollout_loop(config, actors, fleet, state, first_batch))
+    chaos = (asyncio.create_task(chaos_monkey(config.chaos, fleet.members, state.stop, state.chaos_kills))
+             if config.chaos.every_s else None)
     try:
-        for step in range(1, config.run.steps + 1):
+        for step in range(progress.step + 1, config.run.steps + 1):
             step_start = time.monotonic()
             groups = await next_batch(config, actors, state, rollout)
             samples, batch_stats = groups_to_samples(groups, merge=config.trainer.merge_identical)
@@ -134,17 +203,23 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, run_dir: Pat
             train_stats = await actors.trainer.train_step(samples) if samples else {}
             policy_lag = state.trainer_version - batch_stats["sample_policy_version"]
             state.trainer_version = step
-            sync = await push_weights(config, actors, step)
+            sync = await push_weights(actors, fleet, step)
             rollout_s = max(state.rollout_seconds, 1e-9)
+            buffer_stats = await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats")
             row = dict(**batch_stats, **train_stats, **sync, policy_lag=policy_lag,
                        tokens_per_s=state.generated_tokens / rollout_s, episodes_per_s=state.played_games / rollout_s,
-                       buffer_size=await call(actors.buffer.num_games.remote(), timeout_s=60, what="buffer.num_games"))
+                       **accounting(config, buffer_stats, fleet, state, progress.counts))
             if config.run.eval_every and (step % config.run.eval_every == 0 or step == config.run.steps):
-                _, eval_row = await hooks.evaluate(config, actors, 0)
+                _, eval_row = await evaluate(config, hooks, actors, fleet, 0)
                 row.update(eval_row)
-                if config.run.keep_best and eval_row["eval_return"] > best.get("eval_return", float("-inf")):
-                    best = dict(eval_row, step=step)
+                progress.evals.append(dict(eval_row, step=step))
+                if config.run.keep_best and eval_row["eval_return"] > progress.best.get("eval_return", float("-inf")):
+                    progress.best = dict(eval_row, step=step)
                     await save_policy(actors, run_dir / "best_policy")
+            progress.step, progress.row = step, row
+            if step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
+                progress.counts = {k: row[k] for k in ("actor_restarts", "replayed_games", "chaos_kills")}
+                row["checkpoint_s"] = await save_checkpoint(config, actors, run_dir, progress)
             row["step_time_s"] = time.monotonic() - step_start
             metrics.log(step, **row)
             metrics.advance(reward=row["train_reward"], eval=row.get("eval_return"), loss=row.get("loss"))
@@ -152,10 +227,10 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, run_dir: Pat
         state.stop.set()
         metrics.close()
         try:
-            await asyncio.wait_for(rollout, timeout=config.policy.call_timeout_s)
+            await asyncio.wait_for(asyncio.gather(rollout, *([chaos] if chaos else [])),
+                                   timeout=config.policy.call_timeout_s)
         except Exception as err:  # the rollout's own error was already raised by next_batch
             log.debug("rollout loop ended: %s", err)
-    return best
 
 
 async def save_policy(actors: Actors, out_dir: Path) -> None:
@@ -168,39 +243,68 @@ async def save_policy(actors: Actors, out_dir: Path) -> None:
 
 
 def prepare_model(config: JobConfig, hooks: EnvHooks, run_dir: Path) -> str:
+    """The base model: ``model.path``, or a tiny one made in the run directory (kept on resume,
+    so the reference model and a restarted engine start from the same weights as before)."""
     if config.model.path:
         return str(check_model_dir(config.model.path))
-    return str(make_tiny_qwen3(run_dir / "initial_model", hooks.corpus(config), config.model.tiny))
+    made = run_dir / "initial_model"
+    if (made / "config.json").is_file():
+        return str(check_model_dir(made))
+    return str(make_tiny_qwen3(made, hooks.corpus(config), config.model.tiny))
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(Path(__file__).parent / "configs" / "blackjack_tiny.yaml"))
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-5 run.steps=20")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = load_config(JobConfig, args.config, args.overrides)
-    hooks = env_hooks(config)
-    run_dir = Path(config.run.output_dir) / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.mkdir(parents=True, exist_ok=False)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    log.info("run directory: %s", run_dir.resolve())
-    model_dir = prepare_model(config, hooks, run_dir)
-    started_ray = cluster.connect(config.cluster, namespace=run_dir.name)
+def restore_progress(run: Run) -> tuple[Progress, dict | None, float]:
+    """(driver progress, buffer state, wall time of the last kept row) of a resumed run."""
+    if run.resume_from is None:
+        if run.resumed:  # stopped before its first checkpoint: start it again from step 0
+            log.warning("%s has no usable checkpoint: starting it again from step 0", run.run_dir)
+        return Progress(), None, truncate_metrics(run.run_dir, 0) if run.resumed else 0.0
+    saved = checkpoint.read_driver_state(run.resume_from)
+    random.setstate(saved["rng"]["python"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    progress = Progress(**{f.name: saved[f.name] for f in dataclasses.fields(Progress)})
+    wall = truncate_metrics(run.run_dir, progress.step)
+    rows = read_metrics(run.run_dir / "metrics.jsonl") if (run.run_dir / "metrics.jsonl").exists() else []
+    if not rows or rows[-1]["step"] != progress.step:
+        # The kill came between the checkpoint and its metrics row: write the row from the checkpoint.
+        with (run.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(dict(step=progress.step, wall_time_s=wall, **progress.row)) + "\n")
+    return progress, saved["buffer"], wall
+
+
+async def resume(actors: Actors, fleet: Fleet, run: Run, buffer_state: dict) -> int:
+    """Trainer and buffer from the checkpoint, then the engines onto the restored weights; returns the next batch."""
+    version = await actors.trainer.load_checkpoint(str(run.resume_from))
+    buffered = await call(actors.buffer.load_state.remote(buffer_state), timeout_s=60, what="buffer.load_state")
+    await push_weights(actors, fleet, version)
+    log.info("resumed %s from %s: step %d, policy version %d, %d games buffered, next batch %d", run.run_dir,
+             run.resume_from.name, version, version, buffered, buffer_state["next_batch"])
+    return buffer_state["next_batch"]
+
+
+async def run_job(run: Run, hooks: EnvHooks, model_dir: str, progress: Progress, buffer_state: dict | None,
+                  wall_offset_s: float) -> dict:
+    config, run_dir = run.config, run.run_dir
+    # A resumed run gets a namespace of its own: the killed attempt's named actors may not be gone yet.
+    namespace = run_dir.name + (f"-resumed-{time.strftime('%H%M%S')}" if run.resumed else "")
+    started_ray = cluster.connect(config.cluster, namespace=namespace)
     actors = None
     try:
         actors = start_actors(config, model_dir, store_name=run_dir.name)
-        best = asyncio.run(train(config, hooks, actors, run_dir))
-        asyncio.run(save_policy(actors, run_dir / "final_policy"))
-        final, _ = asyncio.run(hooks.evaluate(config, actors, config.run.eval_mc_games))
+        fleet = Fleet(actors.policies, actors.envs, policy_timeout_s=config.policy.call_timeout_s,
+                      env_timeout_s=config.env.call_timeout_s)
+        await fleet.start()
+        first_batch = await resume(actors, fleet, run, buffer_state) if buffer_state is not None else 0
+        await train(config, hooks, actors, fleet, run_dir, progress, first_batch, wall_offset_s)
+        await save_policy(actors, run_dir / "final_policy")
+        final, _ = await evaluate(config, hooks, actors, fleet, config.run.eval_mc_games)
         versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
         pictures = hooks.pictures(run_dir, read_metrics(run_dir / "metrics.jsonl"), final)
         summary = dict(final, run_dir=str(run_dir), steps=config.run.steps, policy_versions=versions,
                        weight_transport=actors.store.spec.transport, pictures=[str(p) for p in pictures],
-                       best_eval_return=best.get("eval_return"), best_step=best.get("step"))
-        (run_dir / "eval.json").write_text(json.dumps(summary, indent=2))
+                       best_eval_return=progress.best.get("eval_return"), best_step=progress.best.get("step"))
+        (run_dir / FINISHED_FILE).write_text(json.dumps(summary, indent=2))
         log.info("final policy: %s", run_dir / "final_policy")
-        print(json.dumps({k: v for k, v in summary.items() if k not in ("decisions", "tasks")}))
         return summary
     finally:
         if actors is not None:
@@ -209,5 +313,47 @@ def main(argv: list[str] | None = None) -> dict:
             ray.shutdown()
 
 
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(Path(__file__).parent / "configs" / "blackjack_tiny.yaml"))
+    parser.add_argument("--resume", metavar="RUN_DIR|auto",
+                        help="continue a run from its newest checkpoint; auto: the latest unfinished run of "
+                             "this config's run.name, or a fresh run if there is none")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-5 run.steps=20")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run = open_run(args.config, args.overrides, args.resume)
+    hooks = env_hooks(run.config)
+    if run.config.model.path:  # before the run directory exists: a bad path leaves nothing behind
+        check_model_dir(run.config.model.path)
+    create(run)
+    log.info("run directory: %s%s", run.run_dir.resolve(), " (resumed)" if run.resumed else "")
+    try:
+        model_dir = prepare_model(run.config, hooks, run.run_dir)
+        progress, buffer_state, wall = restore_progress(run)
+        summary = asyncio.run(run_job(run, hooks, model_dir, progress, buffer_state, wall))
+    except RUN_FAULTS as err:
+        raise RunStopped(f"{err}; resume with: python jobs/grpo.py --resume {run.run_dir}") from err
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("decisions", "tasks")}))
+    return summary
+
+
+RUN_FAULTS = (RemoteCallError, FleetError, CheckpointError, WeightSyncError, TimeoutError)
+"""Faults a run can meet (a dead trainer, a full disk, ...): the run stops, resumable."""
+
+
+class RunStopped(RuntimeError):
+    """A run stopped on an expected fault; the message ends with the command that resumes it."""
+
+
+def cli() -> None:
+    """``main`` for a shell: an expected fault is one line (what, why, how to go on), not a traceback."""
+    try:
+        main()
+    except (RunStopped, ConfigError, ModelError) as err:
+        print(f"grpo: error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -91,6 +91,9 @@ class PolicyConfig:
     tensor_parallel_size: int = 1
     call_timeout_s: float = 300.0
     """Longest wait for one generate or weight-update call."""
+    max_restarts: int = 20
+    """Times Ray restarts a dead engine (over the whole run). A restarted engine loads the current
+    policy version before it serves, and the games it was playing are replayed on a live one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +185,9 @@ class EnvConfig:
     max_turns: int = 12
     """A game still running after this many turns ends with the invalid-action penalty."""
     call_timeout_s: float = 120.0
+    max_restarts: int = 20
+    """Times Ray restarts a dead env actor (over the whole run); its games in flight are replayed
+    from their seeds on a live one."""
     code: CodeEnvConfig = field(default_factory=CodeEnvConfig)
     openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
 
@@ -240,6 +246,22 @@ class RunConfig:
     """Save the best-evaluated policy as well as the final one (the final is always saved)."""
     progress: bool = True
     """Show a progress bar."""
+    checkpoint_every: int = 10
+    """Write a checkpoint every N steps, and at the last (0: only at the last). ``--resume`` continues from it."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in the run directory; older ones are deleted once a newer one is complete."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChaosConfig:
+    """Faults injected on purpose, to show that a run survives them (off by default)."""
+
+    every_s: float = 0.0
+    """Kill one actor about every this many seconds (0: never). Ray restarts it."""
+    targets: tuple[str, ...] = ("env", "policy")
+    """What may be killed: a role (env, policy) or one actor's name (policy-1)."""
+    seed: int = 0
+    """Seeds the choice of victim and the jitter of the interval."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +276,7 @@ class JobConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     def roles(self) -> dict[str, list[Resources]]:
         """The resources of every actor the job places, by role (the reference only with KL)."""
@@ -276,3 +299,48 @@ class JobConfig:
             )
         if self.grpo.group_size < 2:
             raise ConfigError("grpo.group_size must be >= 2: advantages compare games within a group")
+        for key, value, rule in _out_of_range(self):
+            raise ConfigError(f"{key} = {value!r} is out of range: it must be {rule}")
+        if self.buffer.capacity_games < self.grpo.games_per_step:
+            raise ConfigError(f"buffer.capacity_games ({self.buffer.capacity_games}) is smaller than "
+                              f"grpo.games_per_step ({self.grpo.games_per_step}): no batch could ever be sampled")
+        if not 0.0 <= self.trainer.min_lr_ratio <= 1.0:
+            raise ConfigError(f"trainer.min_lr_ratio = {self.trainer.min_lr_ratio!r} is out of range: it must be in [0, 1]")
+        for target in self.chaos.targets:
+            if target.split("-")[0] not in ("env", "policy"):
+                raise ConfigError(f"chaos.targets: {target!r} is not env, policy or an actor such as policy-1")
+
+
+_AT_LEAST = {
+    "run.steps": 1, "run.eval_every": 0, "run.eval_mc_games": 0, "run.checkpoint_every": 0, "run.keep_checkpoints": 1,
+    "cluster.num_cpus": 1, "policy.num_replicas": 1, "policy.max_tokens": 1, "policy.max_model_len": 2,
+    "policy.kv_cache_mb": 1, "policy.tensor_parallel_size": 1, "policy.temperature": 0.0, "policy.max_restarts": 0,
+    "trainer.num_ranks": 1, "trainer.warmup_steps": 0, "trainer.weight_decay": 0.0, "trainer.micro_batch_size": 1,
+    "buffer.max_policy_lag": 0, "buffer.max_uses": 1, "env.num_actors": 1, "env.max_turns": 1, "env.max_restarts": 0,
+    "grpo.games_per_step": 1, "grpo.kl_coef": 0.0, "grpo.entropy_coef": 0.0, "weights.keep_versions": 1,
+    "weights.bucket_mb": 1, "chaos.every_s": 0.0,
+}
+"""Smallest allowed value of each numeric key (the rest must be positive where the name says so:
+timeouts, learning rate, clip range, gradient norm)."""
+_POSITIVE = ("trainer.lr", "trainer.max_grad_norm", "grpo.clip_eps")
+
+
+def _out_of_range(config: JobConfig):
+    """(dotted key, value, rule) of every numeric setting outside its range."""
+    from dataclasses import fields, is_dataclass
+
+    def walk(node, prefix: str):
+        for f in fields(node):
+            value, key = getattr(node, f.name), f"{prefix}{f.name}"
+            if is_dataclass(value):
+                yield from walk(value, key + ".")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield key, value
+
+    for key, value in walk(config, ""):
+        if key in _AT_LEAST and value < _AT_LEAST[key]:
+            yield key, value, f">= {_AT_LEAST[key]}"
+        elif (key in _POSITIVE or key.endswith("timeout_s")) and not value > 0:
+            yield key, value, "> 0"
+        elif key.endswith(("num_cpus", "num_gpus")) and value < 0:
+            yield key, value, ">= 0"

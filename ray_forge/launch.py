@@ -77,15 +77,16 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, 
     kl = config.grpo.kl_coef > 0
     slots = pools.slots
     options = config.env.options()
-    envs = [EnvPoolActor.options(**slot.options(f"env-{i}")).remote(config.env.name, config.env.invalid_action_penalty,
-                                                                    options)
+    envs = [EnvPoolActor.options(**slot.options(f"env-{i}"), max_restarts=config.env.max_restarts).remote(
+                config.env.name, config.env.invalid_action_penalty, options)
             for i, slot in enumerate(slots["env"])]
     handles += envs
     action_words = get(envs[0].get_action_words.remote(), timeout_s=config.env.call_timeout_s, what="env-0")
     policies = [
-        PolicyActor.options(**slot.options(f"policy-{i}"), runtime_env=_OFFLINE_ENV).remote(
+        PolicyActor.options(**slot.options(f"policy-{i}"), runtime_env=_OFFLINE_ENV,
+                            max_restarts=config.policy.max_restarts).remote(
             model_dir=model_dir, config=config.policy, action_words=action_words, seed=config.run.seed + i,
-            weight_transport=config.weights.transport)
+            weight_transport=config.weights.transport, store_name=store_name)
         for i, slot in enumerate(slots["policy"])
     ]
     handles += policies

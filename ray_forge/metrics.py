@@ -28,6 +28,8 @@ EXPORTED = {
     "weight_sync_s": "Seconds to move the step's weights from trainer to every policy",
     "buffer_size": "Games waiting in the replay buffer",
     "env_errors": "Games of the step that ended with an env error or an invalid action",
+    "actor_restarts": "Env actors and policy engines restarted by Ray since the run began",
+    "replayed_games": "Games replayed from their seeds because an actor died while playing them",
 }
 """Row keys exported as Ray gauges, with their descriptions (``forge_`` + key; Ray adds ``ray_``)."""
 
@@ -53,9 +55,10 @@ class PlainProgress:
     """tqdm's ``set_postfix``/``update``/``close``, printed as one line at most every ``interval_s``
     (and at the last step): ``GRPO step 12/170 (7%), 3.80 s/step, 10:00 left: reward=-0.16``."""
 
-    def __init__(self, total: int, file: TextIO, interval_s: float = 10.0, disable: bool = False) -> None:
+    def __init__(self, total: int, file: TextIO, interval_s: float = 10.0, disable: bool = False,
+                 initial: int = 0) -> None:
         self.total, self.file, self.interval_s, self.disable = total, file, interval_s, disable
-        self.n, self.postfix = 0, {}
+        self.n, self.initial, self.postfix = initial, initial, {}
         self._start = self._last = time.monotonic()
 
     def set_postfix(self, postfix: dict[str, str], refresh: bool = False) -> None:
@@ -67,7 +70,7 @@ class PlainProgress:
         if self.disable or (now - self._last < self.interval_s and self.n < self.total):
             return
         self._last = now
-        per_step = (now - self._start) / self.n
+        per_step = (now - self._start) / (self.n - self.initial)
         left = tqdm.format_interval(per_step * (self.total - self.n))
         fields = " ".join(f"{k}={v}" for k, v in self.postfix.items())
         print(f"GRPO step {self.n}/{self.total} ({100 * self.n // max(1, self.total)}%), {per_step:.2f} s/step, "
@@ -80,17 +83,20 @@ class PlainProgress:
 class MetricsLog:
     """Appends ``metrics.jsonl`` rows (flushed each step, so a crashed run keeps its history)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, progress: bool = True) -> None:
+    def __init__(self, run_dir: Path, total_steps: int, progress: bool = True, done_steps: int = 0,
+                 wall_offset_s: float = 0.0) -> None:
+        """``done_steps`` and ``wall_offset_s``: where a resumed run's rows left off."""
         import ray
 
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._gauges = RayGauges(run_dir.name) if ray.is_initialized() else None
-        self._start = time.monotonic()
+        self._start = time.monotonic() - wall_offset_s
         if progress and sys.stderr.isatty():
-            self._bar = tqdm(total=total_steps, desc="GRPO", unit="step", file=sys.stderr, dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=done_steps, desc="GRPO", unit="step", file=sys.stderr,
+                             dynamic_ncols=True)
         else:  # `ray job logs` and files are no terminal: whole lines there, not carriage-return redraws
-            self._bar = PlainProgress(total_steps, sys.stderr, disable=not progress)
+            self._bar = PlainProgress(total_steps, sys.stderr, disable=not progress, initial=done_steps)
 
     def log(self, step: int, **values: Any) -> dict[str, Any]:
         row = {"step": step, "wall_time_s": round(time.monotonic() - self._start, 3)}

@@ -9,7 +9,13 @@ import ray
 
 
 class RemoteCallError(RuntimeError):
-    """An actor died or did not answer in time."""
+    """An actor died or did not answer in time. ``actor`` is the name before the call's dot
+    (``policy-1`` for ``policy-1.generate``); ``died`` is False for a timeout."""
+
+    def __init__(self, message: str, what: str = "", died: bool = False) -> None:
+        super().__init__(message)
+        self.actor = what.split(".")[0]
+        self.died = died
 
 
 async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> Any:
@@ -17,7 +23,7 @@ async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> Any:
     try:
         return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout=timeout_s)
     except asyncio.TimeoutError:
-        raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s") from None
+        raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s", what) from None
     except ray.exceptions.RayActorError as err:
         raise _died(what, err) from err
 
@@ -27,7 +33,7 @@ def get(ref: ray.ObjectRef | list[ray.ObjectRef], *, timeout_s: float, what: str
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s") from None
+        raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s", what) from None
     except ray.exceptions.RayActorError as err:
         raise _died(what, err) from err
 
@@ -36,4 +42,6 @@ def _died(what: str, err: Exception) -> RemoteCallError:
     """Name the cause: an actor whose constructor raised ends its message with that error."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     cause = lines[-1] if lines and "Error" in lines[-1].split(":")[0] else err.__class__.__name__
-    return RemoteCallError(f"{what} failed: the actor died ({cause})")
+    if isinstance(err, ray.exceptions.ActorUnavailableError):  # restarting, or unreachable for a moment
+        cause = "unavailable: restarting or unreachable"
+    return RemoteCallError(f"{what} failed: the actor died ({cause})", what, died=True)

@@ -22,6 +22,12 @@ class RolloutSettings:
     """Play the policy's most likely completion instead of sampling (evaluation)."""
 
 
+def request_seed(groups: list[tuple[int, int]], turn: int) -> int:
+    """Sampling seed of one turn of a batch: fixed by its games, so a replayed or resumed batch
+    draws the same completions from the same weights."""
+    return (groups[0][1] * 7919 + len(groups) * 104729 + turn) % 2**62 if groups else turn
+
+
 async def play_groups(policy, policy_name: str, env_pool, env_name: str, groups: list[tuple[int, int]],
                       settings: RolloutSettings, key: int = 0) -> list[list[Episode]]:
     """Play ``group_size`` games per (group_id, seed), all dealt from that seed, to the end.
@@ -32,31 +38,35 @@ async def play_groups(policy, policy_name: str, env_pool, env_name: str, groups:
     invalid-action penalty, so a model that never stops cannot stall the rollout.
     """
     games = [(gid, seed) for gid, seed in groups for _ in range(settings.group_size)]
-    observations = await call(env_pool.reset.remote(key, [seed for _, seed in games]),
-                              timeout_s=settings.env_timeout_s, what=f"{env_name}.reset")
-    turns: list[list[Turn]] = [[] for _ in games]
-    rewards = [0.0] * len(games)
-    errors: list[str | None] = [None] * len(games)
-    active = list(range(len(games)))
-    for _ in range(settings.max_turns):
-        if not active:
-            break
-        completions: list[Turn] = await call(
-            policy.generate.remote([observations[i] for i in active], settings.greedy),
-            timeout_s=settings.policy_timeout_s, what=f"{policy_name}.generate")
-        results = await call(env_pool.step.remote(key, active, [c.text for c in completions]),
-                             timeout_s=settings.env_timeout_s, what=f"{env_name}.step")
-        still_active = []
-        for slot, completion, result in zip(active, completions, results, strict=True):
-            turns[slot].append(completion)
-            rewards[slot] += result.reward
-            if result.done:
-                errors[slot] = result.info.get("error")
-            else:
-                observations[slot] = result.observation
-                still_active.append(slot)
-        active = still_active
-    env_pool.release.remote(key)
+    try:
+        starts = await call(env_pool.reset.remote(key, [seed for _, seed in games]),
+                            timeout_s=settings.env_timeout_s, what=f"{env_name}.reset")
+        observations = [start.observation for start in starts]
+        turns: list[list[Turn]] = [[] for _ in games]
+        rewards = [start.reward for start in starts]
+        errors: list[str | None] = [start.info.get("error") for start in starts]
+        active = [slot for slot, start in enumerate(starts) if not start.done]
+        for turn in range(settings.max_turns):
+            if not active:
+                break
+            completions: list[Turn] = await call(
+                policy.generate.remote([observations[i] for i in active], settings.greedy,
+                                       request_seed(groups, turn)),
+                timeout_s=settings.policy_timeout_s, what=f"{policy_name}.generate")
+            results = await call(env_pool.step.remote(key, active, [c.text for c in completions]),
+                                 timeout_s=settings.env_timeout_s, what=f"{env_name}.step")
+            still_active = []
+            for slot, completion, result in zip(active, completions, results, strict=True):
+                turns[slot].append(completion)
+                rewards[slot] += result.reward
+                if result.done:
+                    errors[slot] = result.info.get("error")
+                else:
+                    observations[slot] = result.observation
+                    still_active.append(slot)
+            active = still_active
+    finally:
+        env_pool.release.remote(key)  # also after a failure: the batch is replayed elsewhere
     for slot in active:
         rewards[slot] = settings.invalid_action_penalty
         errors[slot] = f"still playing after {settings.max_turns} turns"

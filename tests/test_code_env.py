@@ -136,7 +136,7 @@ def test_env_pool_runs_code_episodes_concurrently_and_survives_hostile_programs(
     pool = EnvPool("code", -1.0, POOL_OPTIONS)
     assert pool.action_words is None
     good = f"```python\n{REFERENCE['gcd']}\n```"
-    prompts = pool.reset(1, [_gcd_seed()] * 4)
+    prompts = [start.observation for start in pool.reset(1, [_gcd_seed()] * 4)]
     assert all("gcd" in p for p in prompts)
     start = time.monotonic()
     results = pool.step(1, [0, 1, 2, 3], [good, HOSTILE["loop"], HOSTILE["fork_bomb"], good])

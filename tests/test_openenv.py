@@ -128,7 +128,7 @@ def test_adapter_plays_full_blackjack_games_against_an_openenv_server(openspiel_
     pool = EnvPool("openenv", options={"url": openspiel_url, "codec": "openspiel_blackjack", "concurrency": 4})
     assert pool.action_words == ("HIT", "STICK")
     seeds = list(range(100, 164))
-    prompts = [[p] for p in pool.reset(0, seeds)]
+    prompts = [[start.observation] for start in pool.reset(0, seeds)]
     rewards, active = [0.0] * len(seeds), list(range(len(seeds)))
     while active:
         results = pool.step(0, active, [threshold(prompts[i][-1]) for i in active])

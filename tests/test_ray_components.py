@@ -22,7 +22,7 @@ class ScriptedPolicy:
     def __init__(self, answer_for_sum):
         self.answer_for_sum = answer_for_sum
 
-    def generate(self, prompts: list[str], greedy: bool = False) -> list[Turn]:
+    def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None) -> list[Turn]:
         out = []
         for p in prompts:
             player_sum = int(p.split()[3].rstrip(","))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -16,7 +17,7 @@ log = logging.getLogger(__name__)
 class EnvPool:
     """Many concurrent games, grouped in batches by a caller-chosen key.
 
-    ``reset(key, seeds)`` deals a batch; ``step(key, slots, actions)`` advances chosen games of
+    ``reset(key, seeds)`` deals a batch (a game whose reset raises starts over, with the penalty); ``step(key, slots, actions)`` advances chosen games of
     it; ``release(key)`` returns its envs for reuse. Batches with different keys never share
     an env, so several rollouts can use one pool at once. An env that raises does not take
     the pool down: that game ends with the penalty and the error is reported in ``info``.
@@ -38,11 +39,21 @@ class EnvPool:
     def _map(self, fn, *iterables) -> list:
         return list(self._threads.map(fn, *iterables)) if self._threads else list(map(fn, *iterables))
 
-    def reset(self, key: int, seeds: list[int]) -> list[str]:
+    def reset(self, key: int, seeds: list[int]) -> list[StepResult]:
+        """Deal one game per seed. Each result carries the first observation; a game whose reset
+        raised is already over (``done``, the penalty, and the reason in ``info['error']``)."""
         self.release(key)
         envs = [self._free.pop() if self._free else self._make() for _ in seeds]
         self._batches[key] = envs
-        return self._map(lambda env, seed: env.reset(seed), envs, seeds)
+
+        def one(env: TextEnv, seed: int) -> StepResult:
+            try:
+                return StepResult(env.reset(seed), 0.0, False, {})
+            except Exception as err:  # one game's failure must not end the batch
+                log.warning("env %s reset(%d) failed: %s", key, seed, err)
+                return StepResult("", self._penalty, True, {"error": f"env reset error: {err}"})
+
+        return self._map(one, envs, seeds)
 
     def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
         envs = self._batches[key]
@@ -72,6 +83,10 @@ class EnvPool:
 
     def get_action_words(self) -> tuple[str, ...] | None:
         return self.action_words
+
+    def whoami(self) -> tuple[int, int]:
+        """(process id, 0): a new process id means Ray restarted this actor."""
+        return os.getpid(), 0
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

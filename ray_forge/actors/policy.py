@@ -34,7 +34,7 @@ class VLLMPolicy:
     """One engine in this process (uni executor): ~3 s to start instead of ~20 s with workers."""
 
     def __init__(self, *, model_dir: str, config: PolicyConfig, action_words: tuple[str, ...] | None,
-                 seed: int = 0, weight_transport: str = "") -> None:
+                 seed: int = 0, weight_transport: str = "", store_name: str = "") -> None:
         # Must be set before vLLM is imported: keep the engine core and worker in this actor.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -71,13 +71,41 @@ class VLLMPolicy:
                             if config.constrain_to_actions and action_words else None)
         log.info("vLLM engine up in %.1fs (%s, allowed tokens %s)", time.monotonic() - start, model_dir,
                  self.allowed_ids)
+        if ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
+            self._catch_up(store_name)
+
+    def _catch_up(self, store_name: str) -> None:
+        """A restarted engine starts from the base model: load the newest published policy
+        version before the first request is served (Ray runs no call before the constructor ends)."""
+        from ray_forge.weights.base import StoreSpec
+
+        try:
+            controller = ray.get_actor(StoreSpec(name=store_name, transport="shm").controller_name)
+        except ValueError:
+            log.warning("restarted before any weights were published: serving the base model (version 0)")
+            return
+        latest = ray.get(controller.latest.remote(), timeout=self.config.call_timeout_s)
+        if latest is not None:
+            spec, version = latest
+            if spec.transport == "nccl":
+                raise RuntimeError("a restarted engine cannot pull weights pushed over nccl; use weights.transport=shm "
+                                   "or object_store to restart policies")
+            self.update_weights(spec, version)
+            log.warning("restarted: loaded policy version %d from the weight store", version)
+
+    def whoami(self) -> tuple[int, int]:
+        """(process id, version): a new process id means Ray restarted this engine."""
+        return os.getpid(), self.version
 
     def get_allowed_token_ids(self) -> list[int] | None:
         return self.allowed_ids
 
-    def generate(self, prompts: list[str], greedy: bool = False) -> list[Turn]:
+    def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None) -> list[Turn]:
         """One completion per prompt, in order. Identical prompts become one request with
-        ``n`` samples, so the engine encodes each distinct prompt once."""
+        ``n`` samples, so the engine encodes each distinct prompt once.
+
+        With ``seed``, the i-th distinct prompt samples from its own generator seeded ``seed + i``,
+        so the same call gives the same completions on any engine, a restarted one included."""
         from vllm import SamplingParams
 
         counts = Counter(prompts)
@@ -90,8 +118,9 @@ class VLLMPolicy:
                 max_tokens=self.config.max_tokens,
                 logprobs=0,
                 allowed_token_ids=self.allowed_ids,
+                seed=None if seed is None or greedy else (seed + i) % 2**63,
             )
-            for p in unique
+            for i, p in enumerate(unique)
         ]
         outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
         pools: dict[str, list[Turn]] = {}

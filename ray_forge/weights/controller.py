@@ -6,7 +6,7 @@ import asyncio
 
 import ray
 
-from ray_forge.weights.base import Manifest
+from ray_forge.weights.base import Manifest, StoreSpec
 
 
 class WeightStoreController:
@@ -16,12 +16,14 @@ class WeightStoreController:
     def __init__(self) -> None:
         self.manifests: dict[int, Manifest] = {}
         self.published: dict[int, asyncio.Event] = {}
+        self.spec: StoreSpec | None = None
 
     def _event(self, version: int) -> asyncio.Event:
         return self.published.setdefault(version, asyncio.Event())
 
-    async def publish(self, manifest: Manifest, keep_versions: int) -> list[Manifest]:
+    async def publish(self, manifest: Manifest, keep_versions: int, spec: StoreSpec | None = None) -> list[Manifest]:
         """Record a version; returns the manifests evicted to keep at most ``keep_versions``."""
+        self.spec = spec or self.spec
         self.manifests[manifest.version] = manifest
         self._event(manifest.version).set()
         evicted = [self.manifests.pop(v) for v in sorted(self.manifests)[:-keep_versions]]
@@ -39,6 +41,12 @@ class WeightStoreController:
         except asyncio.TimeoutError:
             return None
         return self.manifests.get(version)
+
+    async def latest(self) -> tuple[StoreSpec, int] | None:
+        """The store's spec and newest version, for a receiver that restarted and must catch up."""
+        if not self.manifests or self.spec is None:
+            return None
+        return self.spec, max(self.manifests)
 
     async def versions(self) -> list[int]:
         return sorted(self.manifests)

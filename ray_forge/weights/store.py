@@ -77,7 +77,7 @@ class WeightStore:
         buckets = plan_buckets(state_dict, self.spec.bucket_bytes, self.spec.dtype)
         location = self.transport.write(version, buckets, state_dict)
         manifest = Manifest(version, self.spec.sender, self.spec.transport, tuple(buckets), location)
-        evicted = self._ask(self.controller.publish.remote(manifest, self.spec.keep_versions), "publish")
+        evicted = self._ask(self.controller.publish.remote(manifest, self.spec.keep_versions, self.spec), "publish")
         for old in evicted:
             self.transport.free(old)
         return manifest

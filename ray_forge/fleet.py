@@ -1,0 +1,155 @@
+"""The policy engines and env actors as one fleet that keeps playing while its members die.
+
+Ray restarts a dead env actor or engine (``max_restarts``); a restarted engine loads the newest
+published weights before it serves (``VLLMPolicy._catch_up``). What the fleet adds on the
+driver's side: a batch of games that was in play on a dead actor is replayed from its seeds on a
+live pair, so no game is lost and none counts twice (a batch's games exist only once it has
+finished); a dead member is waited for, checked for the current weights, and counted; weight
+pushes skip a member that is restarting and sync it when it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ray_forge.episode import Episode
+from ray_forge.remote import RemoteCallError, call
+from ray_forge.rollout import RolloutSettings, play_groups
+
+log = logging.getLogger(__name__)
+
+
+class FleetError(RuntimeError):
+    """No live member of a role is left, or a batch failed on every one."""
+
+
+class Fleet:
+    def __init__(self, policies: list, envs: list, *, policy_timeout_s: float, env_timeout_s: float) -> None:
+        self.members = {f"policy-{i}": p for i, p in enumerate(policies)} | {f"env-{i}": e for i, e in enumerate(envs)}
+        self.num = {"policy": len(policies), "env": len(envs)}
+        self.timeout_s = {"policy": policy_timeout_s, "env": env_timeout_s}
+        self.pids: dict[str, int] = {}
+        self.version = 0
+        """The policy version every engine should hold: the newest pushed (a restarted one is brought to it)."""
+        self.serving = 0
+        """The version every live engine holds: ``version`` once its push has finished."""
+        self.spec = None
+        self._recovering: dict[str, asyncio.Task] = {}
+        self.lost: set[str] = set()
+        self.restarts = 0
+        self.replayed_games = 0
+
+    async def start(self) -> None:
+        """Record each member's process, to tell a restart from a slow answer later."""
+        answers = await asyncio.gather(*(self._whoami(name) for name in self.members))
+        self.pids = {name: pid for name, (pid, _) in zip(self.members, answers)}
+
+    # -- playing ---------------------------------------------------------------------------
+    async def play(self, chunk: int, groups: list[tuple[int, int]], settings: RolloutSettings,
+                   key: int) -> list[list[Episode]]:
+        """Play ``groups`` on the chunk's pair, replaying them elsewhere if a member dies."""
+        attempts = 2 * max(self.num.values()) + 2
+        for attempt in range(attempts):
+            policy, env = await self._pick("policy", chunk + attempt), await self._pick("env", chunk + attempt)
+            try:
+                return await play_groups(self.members[policy], policy, self.members[env], env, groups, settings,
+                                         key=key)
+            except RemoteCallError as err:
+                if not err.died or err.actor not in self.members:
+                    raise
+                games = len(groups) * settings.group_size
+                self.replayed_games += games
+                log.warning("%s; replaying its %d games from their seeds", err, games)
+                self.recover(err.actor)
+        raise FleetError(f"a batch of {len(groups)} groups failed on {attempts} policy/env pairs")
+
+    async def _pick(self, role: str, start: int) -> str:
+        """The first live member of ``role`` from index ``start`` on; waits if all are restarting."""
+        while True:
+            names = [f"{role}-{(start + k) % self.num[role]}" for k in range(self.num[role])]
+            live = [n for n in names if n not in self._recovering and n not in self.lost]
+            if live:
+                return live[0]
+            waiting = [self._recovering[n] for n in names if n in self._recovering]
+            if not waiting:
+                raise FleetError(f"every {role} actor is gone for good: {sorted(self.lost)}")
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+
+    # -- restarts --------------------------------------------------------------------------
+    def recover(self, name: str) -> asyncio.Task:
+        """Wait (in the background) for ``name`` to be restarted; one wait per death."""
+        if name not in self._recovering:
+            self._recovering[name] = asyncio.create_task(self._recover(name))
+        return self._recovering[name]
+
+    async def _recover(self, name: str) -> None:
+        role = name.split("-")[0]
+        deadline = time.monotonic() + self.timeout_s[role]
+        try:
+            while True:
+                try:
+                    pid, version = await self._whoami(name)
+                    break
+                except RemoteCallError as err:
+                    if time.monotonic() > deadline:
+                        self.lost.add(name)
+                        log.error("%s did not come back within %.0fs (max_restarts used up?): %s", name,
+                                  self.timeout_s[role], err)
+                        return
+                    await asyncio.sleep(1.0)
+            if pid != self.pids.get(name):
+                self.restarts += 1
+                self.pids[name] = pid
+                log.warning("%s restarted (process %d)", name, pid)
+            if role == "policy":
+                await self._sync(name, version)
+        finally:
+            self._recovering.pop(name, None)
+
+    async def _sync(self, name: str, version: int) -> None:
+        """Bring a policy to the fleet's version (a push may have passed it by while it restarted)."""
+        while version < self.version and self.spec is not None:
+            target = self.version
+            await call(self.members[name].update_weights.remote(self.spec, target), timeout_s=self.timeout_s["policy"],
+                       what=f"{name}.update_weights")
+            version = target
+
+    async def _whoami(self, name: str) -> tuple[int, int]:
+        return await call(self.members[name].whoami.remote(), timeout_s=self.timeout_s[name.split("-")[0]],
+                          what=f"{name}.whoami")
+
+    async def ready(self, name: str) -> None:
+        """Return once ``name`` is live and holds the fleet's version (for evaluations)."""
+        if name in self._recovering:
+            await self._recovering[name]
+        if name in self.lost:
+            raise FleetError(f"{name} is gone for good")
+
+    # -- weights ---------------------------------------------------------------------------
+    async def push(self, spec, version: int) -> float:
+        """Every live engine loads ``version`` (already published); one that dies meanwhile is
+        synced when it is back. Returns the slowest load in seconds."""
+        self.spec, self.version = spec, version
+        names = [f"policy-{i}" for i in range(self.num["policy"])]
+        results = await asyncio.gather(*(self._update(name, spec, version) for name in names))
+        self.serving = version
+        return max(results)
+
+    async def _update(self, name: str, spec, version: int) -> float:
+        if name in self._recovering or name in self.lost:
+            return 0.0  # it syncs to self.version when it is back
+        try:
+            return await call(self.members[name].update_weights.remote(spec, version), timeout_s=spec.timeout_s,
+                              what=f"{name}.update_weights")
+        except RemoteCallError as err:
+            if not err.died:
+                raise
+            log.warning("%s; it gets version %d when it is back", err, version)
+            self.recover(name)
+            return 0.0
+
+    def stats(self) -> dict[str, int]:
+        return dict(actor_restarts=self.restarts, replayed_games=self.replayed_games,
+                    actors_restarting=len(self._recovering), actors_lost=len(self.lost))
