@@ -157,12 +157,12 @@ async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fl
     raise AssertionError("unreachable")
 
 
-def accounting(config: JobConfig, buffer_stats: dict[str, int], fleet: Fleet, state: LoopState,
-               counts: dict) -> dict[str, int]:
-    """Game counts since the run began: generated = trained + evicted + dropped + still buffered."""
-    row = dict(buffer_stats, **{k: v + counts.get(k, 0) for k, v in fleet.stats().items()
+def accounting(buffer_stats: dict[str, int], fleet: Fleet, state: LoopState, carried: dict) -> dict[str, int]:
+    """Game counts since the run began: generated = trained + evicted + dropped + still buffered;
+    restarts, replays and chaos kills, with ``carried`` from before a resume added."""
+    row = dict(buffer_stats, **{k: v + carried.get(k, 0) for k, v in fleet.stats().items()
                                 if k in ("actor_restarts", "replayed_games")},
-               chaos_kills=len(state.chaos_kills) + counts.get("chaos_kills", 0))
+               chaos_kills=len(state.chaos_kills) + carried.get("chaos_kills", 0))
     row["buffer_size"] = row.pop("buffer_games")
     accounted = sum(row[k] for k in COUNTERS[1:]) + row["buffer_size"]
     if accounted != row["generated"]:
@@ -189,8 +189,9 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
     metrics = MetricsLog(run_dir, config.run.steps, progress=config.run.progress, done_steps=progress.step,
                          wall_offset_s=wall_offset_s)
     rollout = asyncio.create_task(rollout_loop(config, actors, fleet, state, first_batch))
-    chaos = (asyncio.create_task(chaos_monkey(config.chaos, fleet.members, state.stop, state.chaos_kills))
+    chaos = (asyncio.create_task(chaos_monkey(config.chaos, fleet, state.stop, state.chaos_kills))
              if config.chaos.every_s else None)
+    carried = dict(progress.counts)
     try:
         for step in range(progress.step + 1, config.run.steps + 1):
             step_start = time.monotonic()
@@ -208,7 +209,7 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
             buffer_stats = await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats")
             row = dict(**batch_stats, **train_stats, **sync, policy_lag=policy_lag,
                        tokens_per_s=state.generated_tokens / rollout_s, episodes_per_s=state.played_games / rollout_s,
-                       **accounting(config, buffer_stats, fleet, state, progress.counts))
+                       **accounting(buffer_stats, fleet, state, carried))
             if config.run.eval_every and (step % config.run.eval_every == 0 or step == config.run.steps):
                 _, eval_row = await evaluate(config, hooks, actors, fleet, 0)
                 row.update(eval_row)
@@ -298,6 +299,7 @@ async def run_job(run: Run, hooks: EnvHooks, model_dir: str, progress: Progress,
         await train(config, hooks, actors, fleet, run_dir, progress, first_batch, wall_offset_s)
         await save_policy(actors, run_dir / "final_policy")
         final, _ = await evaluate(config, hooks, actors, fleet, config.run.eval_mc_games)
+        await fleet.settle()
         versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
         pictures = hooks.pictures(run_dir, read_metrics(run_dir / "metrics.jsonl"), final)
         summary = dict(final, run_dir=str(run_dir), steps=config.run.steps, policy_versions=versions,

@@ -23,13 +23,15 @@ def victims(config: ChaosConfig, names: list[str]) -> list[str]:
     return [n for n in names if n in config.targets or n.split("-")[0] in config.targets]
 
 
-async def chaos_monkey(config: ChaosConfig, members: dict[str, object], stop: asyncio.Event,
-                       kills: list[str]) -> None:
-    """Until ``stop`` is set: wait ``every_s`` (x0.5 to x1.5), kill one allowed actor, append its name to ``kills``."""
+async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event, kills: list[str]) -> None:
+    """Until ``stop`` is set: wait ``every_s`` (x0.5 to x1.5), kill one allowed actor, append its
+    name to ``kills``. An actor killed before is spared until the fleet has seen it come back:
+    killing an engine again while it restarts would only show that it cannot start."""
     rng = random.Random(config.seed)
-    allowed = victims(config, sorted(members))
+    allowed = victims(config, sorted(fleet.members))
     if not allowed:
-        raise ValueError(f"chaos.targets {config.targets} match no actor of {sorted(members)}")
+        raise ValueError(f"chaos.targets {config.targets} match no actor of {sorted(fleet.members)}")
+    killed_pid: dict[str, int] = {}
     while True:
         try:
             await asyncio.wait_for(stop.wait(), timeout=config.every_s * rng.uniform(0.5, 1.5))
@@ -37,6 +39,11 @@ async def chaos_monkey(config: ChaosConfig, members: dict[str, object], stop: as
         except asyncio.TimeoutError:
             pass
         name = rng.choice(allowed)
+        while name in killed_pid and not fleet.restarted_since(name, killed_pid[name]):
+            if stop.is_set():
+                return
+            await asyncio.sleep(0.5)
+        killed_pid[name] = fleet.pids[name]
         log.warning("chaos: killing %s", name)
-        ray.kill(members[name], no_restart=False)
+        ray.kill(fleet.members[name], no_restart=False)
         kills.append(name)

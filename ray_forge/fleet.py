@@ -120,6 +120,15 @@ class Fleet:
         return await call(self.members[name].whoami.remote(), timeout_s=self.timeout_s[name.split("-")[0]],
                           what=f"{name}.whoami")
 
+    async def settle(self) -> None:
+        """Return once no member is restarting (the run's end: every engine reports its version)."""
+        while self._recovering:
+            await asyncio.gather(*self._recovering.values(), return_exceptions=True)
+
+    def restarted_since(self, name: str, pid: int) -> bool:
+        """Whether ``name`` is known to run in a process other than ``pid`` (it came back)."""
+        return self.pids.get(name, pid) != pid and name not in self._recovering
+
     async def ready(self, name: str) -> None:
         """Return once ``name`` is live and holds the fleet's version (for evaluations)."""
         if name in self._recovering:
@@ -151,5 +160,19 @@ class Fleet:
             return 0.0
 
     def stats(self) -> dict[str, int]:
-        return dict(actor_restarts=self.restarts, replayed_games=self.replayed_games,
+        """Restarts as Ray's control store counts them (a member killed while idle and back before
+        its next call is one too), else as this fleet saw them; games replayed; members down."""
+        counted = [_num_restarts(handle) for handle in self.members.values()]
+        restarts = sum(counted) if None not in counted else self.restarts
+        return dict(actor_restarts=restarts, replayed_games=self.replayed_games,
                     actors_restarting=len(self._recovering), actors_lost=len(self.lost))
+
+
+def _num_restarts(handle) -> int | None:
+    """Ray's count of restarts of one actor, from the GCS (no dashboard needed); None if unknown."""
+    import ray
+
+    try:
+        return int(ray._private.state.actors(actor_id=handle._actor_id.hex())["NumRestarts"])
+    except Exception:  # a private API: fall back to the restarts the fleet saw itself
+        return None

@@ -8,6 +8,11 @@ from typing import Any
 import ray
 
 
+class ActorRestarted(RuntimeError):
+    """Raised by an actor asked about state it lost when Ray restarted it (a batch it never
+    dealt); a caller treats it like the actor's death."""
+
+
 class RemoteCallError(RuntimeError):
     """An actor died or did not answer in time. ``actor`` is the name before the call's dot
     (``policy-1`` for ``policy-1.generate``); ``died`` is False for a timeout."""
@@ -26,6 +31,10 @@ async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> Any:
         raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s", what) from None
     except ray.exceptions.RayActorError as err:
         raise _died(what, err) from err
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(err.cause, ActorRestarted):
+            raise RemoteCallError(f"{what} failed: {err.cause}", what, died=True) from err
+        raise
 
 
 def get(ref: ray.ObjectRef | list[ray.ObjectRef], *, timeout_s: float, what: str) -> Any:

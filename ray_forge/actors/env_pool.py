@@ -10,6 +10,7 @@ import ray
 
 from envs.registry import env_factory
 from ray_forge.env import StepResult, TextEnv
+from ray_forge.remote import ActorRestarted
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class EnvPool:
         return self._map(one, envs, seeds)
 
     def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
+        if key not in self._batches:
+            raise ActorRestarted(f"batch {key} is not dealt here: this env actor was restarted since")
         envs = self._batches[key]
 
         def one(slot: int, action: str) -> StepResult:
