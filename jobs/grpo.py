@@ -175,7 +175,12 @@ async def save_checkpoint(config: JobConfig, actors: Actors, run_dir: Path, prog
     driver's state; made visible atomically (see ``ray_forge/checkpoint.py``). Returns seconds."""
     start = time.monotonic()
     staging = await asyncio.to_thread(checkpoint.staging_dir, run_dir, progress.step)
-    await actors.trainer.save_checkpoint(str(staging))
+    try:
+        await actors.trainer.save_checkpoint(str(staging))
+    except ray.exceptions.RayTaskError as err:  # a rank could not write its shards (a full disk, ...)
+        if not isinstance(err.cause, OSError):
+            raise
+        raise checkpoint.failed(run_dir, progress.step, staging, err.cause) from None
     buffer_state = await call(actors.buffer.state.remote(), timeout_s=60, what="buffer.state")
     driver = dict(dataclasses.asdict(progress), buffer=buffer_state, policy_version=progress.step,
                   rng=dict(python=random.getstate(), torch=torch.get_rng_state()))

@@ -67,11 +67,16 @@ def commit(run_dir: Path, step: int, staging: Path, driver_state: dict[str, Any]
         os.rename(tmp, final / MANIFEST)
         _fsync_dir(final)
     except OSError as err:
-        shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
-        raise _write_error(run_dir, step, err) from err
+        raise failed(run_dir, step, staging, err) from err
     _prune(run_dir, keep)
     return final
+
+
+def failed(run_dir: Path, step: int, staging: Path, err: OSError) -> CheckpointError:
+    """Remove what step ``step`` wrote so far and say why it failed (a full disk, ...)."""
+    shutil.rmtree(staging, ignore_errors=True)
+    return _write_error(run_dir, step, err)
 
 
 def _write_error(run_dir: Path, step: int, err: OSError) -> CheckpointError:

@@ -1,6 +1,6 @@
 """Replay buffer eviction and hand-out rules (no Ray)."""
 
-from ray_forge.actors.buffer import ReplayBuffer
+from ray_forge.actors.buffer import COUNTERS, ReplayBuffer
 from ray_forge.episode import Episode, Turn
 
 
@@ -40,3 +40,29 @@ def test_capacity_drops_oldest():
     buf.add([_group(0, g) for g in range(3)])
     assert buf.num_games() == 4 and buf.stats()["dropped_full"] == 2  # games of the oldest group
     assert buf.sample(2, 0)[0][0].group_id == 1
+
+
+def test_every_game_is_accounted_for_once():
+    buf = ReplayBuffer(max_policy_lag=1, capacity_games=6)
+    same = [Episode(group_id=9, seed=9, turns=(), reward=0.5) for _ in range(2)]  # no signal: all rewards equal
+    buf.add([_group(0, 0), same, _group(1, 1)], next_batch=1)
+    buf.add([_group(1, 2)], next_batch=2)  # 8 games in a buffer of 6: the oldest group goes
+    assert buf.sample(4, trainer_version=1) is not None  # the no-signal group and group 1
+    buf.add([_group(0, 3)], next_batch=3)
+    buf.evict_stale(trainer_version=2)  # version 0 is now too old
+    stats = buf.stats()
+    assert stats == dict(generated=10, trained=2, evicted_stale=2, dropped_no_signal=2, dropped_full=2,
+                         buffer_games=2)
+    assert stats["generated"] == sum(stats[k] for k in COUNTERS[1:]) + stats["buffer_games"]
+
+
+def test_state_round_trips_contents_counts_and_position():
+    buf = ReplayBuffer(max_policy_lag=5, max_uses=2)
+    buf.add([_group(0, 0), _group(1, 1)], next_batch=7)
+    buf.sample(2, trainer_version=1)  # group 0 used once, still in
+    copy = ReplayBuffer(max_policy_lag=5, max_uses=2)
+    assert copy.load_state(buf.state()) == 4
+    assert copy.stats() == buf.stats() and copy.next_batch == 7
+    assert copy.sample(4, 1) == buf.sample(4, 1)  # same groups, same uses left: group 0 is used up
+    assert copy.sample(2, 1) == buf.sample(2, 1) == [_group(1, 1)]  # group 1's second use
+    assert copy.sample(2, 1) is None and buf.sample(2, 1) is None

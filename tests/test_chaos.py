@@ -15,11 +15,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
 GAMES = 256
-CHAOS = [f"run.steps={STEPS}", "run.eval_every=8", "run.eval_mc_games=200", f"grpo.games_per_step={GAMES}",
-         "run.progress=false", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
-         "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64",
-         "env.num_actors=2", "env.resources.num_cpus=0.1", "chaos.every_s=2.5", "chaos.seed=8",
-         "chaos.targets=[env, policy-1]", "policy.call_timeout_s=120"]
+SMALL = ["run.eval_mc_games=200", f"grpo.games_per_step={GAMES}", "run.progress=false", "model.tiny.hidden_size=64",
+         "model.tiny.intermediate_size=128", "model.tiny.num_layers=2", "cluster.include_dashboard=false",
+         "policy.kv_cache_mb=64"]
+CHAOS = [f"run.steps={STEPS}", "run.eval_every=8", *SMALL, "env.num_actors=2", "env.resources.num_cpus=0.1",
+         "chaos.every_s=2.5", "chaos.seed=8", "chaos.targets=[env, policy-1]", "policy.call_timeout_s=120"]
 
 
 def test_a_run_survives_actor_kills_and_accounts_for_every_game(ray_cluster, tmp_path, caplog):
@@ -47,3 +47,33 @@ def test_a_run_survives_actor_kills_and_accounts_for_every_game(ray_cluster, tmp
     buffer = checkpoint.read_driver_state(checkpoint.latest(run_dir))["buffer"]
     assert buffer["counts"]["generated"] == buffer["next_batch"] * GAMES
     assert last["trained"] + last["dropped_no_signal"] == STEPS * GAMES  # each step took one batch's worth
+
+
+def test_a_dead_trainer_stops_the_job_with_one_line_and_the_resume_command(ray_cluster, tmp_path):
+    """The trainer is not restarted (its state is in the checkpoint): the job says which actor
+    died, why, and how to resume; no traceback."""
+    import os
+    import subprocess
+    import time
+
+    import ray
+
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "jobs/grpo.py"), f"run.output_dir={tmp_path}", "run.steps=50",
+                             *SMALL], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("*/metrics.jsonl")) or not list(tmp_path.glob("*/metrics.jsonl"))[0].read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        [run_dir] = [p.parent for p in tmp_path.glob("*/metrics.jsonl")]
+        ray.kill(ray.get_actor("trainer-0", namespace=run_dir.name), no_restart=True)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("grpo: error: trainer-0.") and "the actor died" in last, last
+    assert last.endswith(f"resume with: python jobs/grpo.py --resume {run_dir}"), last
+    assert "Traceback" not in stderr

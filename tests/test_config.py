@@ -63,3 +63,28 @@ def test_malformed_yaml_is_a_clear_error(tmp_path):
 def test_cross_field_checks():
     with pytest.raises(ConfigError, match="multiple of grpo.group_size"):
         load_config(JobConfig, None, ["grpo.group_size=3", "grpo.games_per_step=64"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("policy.num_replicas=0", "policy.num_replicas = 0 is out of range: it must be >= 1"),
+        ("env.num_actors=0", "env.num_actors = 0 is out of range: it must be >= 1"),
+        ("trainer.num_ranks=-1", "trainer.num_ranks = -1 is out of range: it must be >= 1"),
+        ("run.steps=0", "run.steps = 0 is out of range: it must be >= 1"),
+        ("run.keep_checkpoints=0", "run.keep_checkpoints = 0 is out of range: it must be >= 1"),
+        ("trainer.lr=0", "trainer.lr = 0.0 is out of range: it must be > 0"),
+        ("grpo.clip_eps=-0.2", "grpo.clip_eps = -0.2 is out of range: it must be > 0"),
+        ("policy.call_timeout_s=0", "policy.call_timeout_s = 0.0 is out of range: it must be > 0"),
+        ("env.resources.num_cpus=-1", "env.resources.num_cpus = -1.0 is out of range: it must be >= 0"),
+        ("policy.temperature=-1", "policy.temperature = -1.0 is out of range: it must be >= 0.0"),
+        ("trainer.min_lr_ratio=2", "trainer.min_lr_ratio = 2.0 is out of range: it must be in [0, 1]"),
+        ("buffer.capacity_games=64", "buffer.capacity_games (64) is smaller than grpo.games_per_step"),
+        ("chaos.targets=[trainer]", "chaos.targets: 'trainer' is not env, policy or an actor"),
+    ],
+)
+def test_out_of_range_values_name_the_key(override, message):
+    import re
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(JobConfig, None, [override])

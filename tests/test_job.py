@@ -135,12 +135,14 @@ def test_eval_job_prints_json_last_line(finished_run):
 
 
 def test_missing_model_path_fails_fast_with_the_path(tmp_path):
+    sys.path.insert(0, str(ROOT / "jobs"))
     import grpo
 
     from ray_forge.models import ModelError
 
     with pytest.raises(ModelError, match="does not exist"):
-        grpo.main([f"run.output_dir={tmp_path}", f"model.path={tmp_path / 'missing'}"])
+        grpo.main([f"run.output_dir={tmp_path / 'runs'}", f"model.path={tmp_path / 'missing'}"])
+    assert not (tmp_path / "runs").exists()  # no empty run directory left behind
 
 
 def test_bad_override_fails_before_anything_starts(tmp_path):

@@ -10,6 +10,7 @@ from ray_forge.actors.env_pool import EnvPoolActor
 from ray_forge.cluster import PlacementError, Pools
 from ray_forge.grpo_config import ClusterConfig, Resources
 from ray_forge.remote import RemoteCallError, call
+from ray_forge.env import StepResult
 from ray_forge.episode import Turn
 from ray_forge.rollout import RolloutSettings, play_groups
 
@@ -83,6 +84,73 @@ def test_garbage_actions_and_endless_games_are_penalised(ray_cluster):
     [group] = asyncio.run(play_groups(garbage, "policy", env, "env", [(0, 3)], settings))
     assert all(e.error == "invalid action" and e.reward == -1.0 for e in group)
     ray.kill(garbage)
+
+
+class EndlessPool:
+    """A typed stand-in env pool whose games never end, and whose reset fails for seed 13 (an
+    OpenEnv server's hiccup, say); the real pool's handling of raising envs is tested above."""
+
+    def reset(self, key: int, seeds: list[int]) -> list[StepResult]:
+        return [StepResult("", -1.0, True, {"error": "env reset error: server hiccup"}) if seed == 13
+                else StepResult(f"state {seed}", 0.0, False) for seed in seeds]
+
+    def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
+        return [StepResult("state", 0.0, False) for _ in slots]
+
+    def release(self, key: int) -> None:
+        pass
+
+
+def test_empty_output_a_game_that_never_ends_and_a_failed_reset_end_with_their_reasons(ray_cluster):
+    settings = RolloutSettings(group_size=2, max_turns=4, invalid_action_penalty=-1.0,
+                               policy_timeout_s=30, env_timeout_s=30)
+    empty = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "")
+    env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
+    [group] = asyncio.run(play_groups(empty, "policy", env, "env", [(0, 3)], settings))
+    assert all(e.error == "invalid action" and e.reward == -1.0 and len(e.turns) == 1 for e in group)
+
+    class Chatty(ScriptedPolicy):
+        def generate(self, prompts, greedy=False, seed=None):
+            return [Turn((1,), (9,), (-0.5,), 0, "I think") for _ in prompts]
+
+    chatty = ray.remote(Chatty).options(num_cpus=0).remote(None)
+    endless = ray.remote(EndlessPool).options(num_cpus=0).remote()
+    never, failed = asyncio.run(play_groups(chatty, "policy", endless, "env", [(0, 3), (1, 13)], settings))
+    assert all(e.error == "still playing after 4 turns" and e.reward == -1.0 and len(e.turns) == 4 for e in never)
+    assert all(e.error == "env reset error: server hiccup" and e.reward == -1.0 and e.turns == () for e in failed)
+    for actor in (empty, env, chatty, endless):
+        ray.kill(actor)
+
+
+def test_a_reset_that_raises_ends_only_that_game():
+    from ray_forge.actors.env_pool import EnvPool
+
+    pool = EnvPool("blackjack")
+    pool._make = lambda: Flaky()
+    pool._free.clear()
+    starts = pool.reset(0, [1, 13, 2])
+    assert [s.done for s in starts] == [False, True, False]
+    assert starts[1].reward == -1.0 and "env reset error: seed 13 refused" in starts[1].info["error"]
+    assert pool.step(0, [0], ["STICK"])[0].done
+
+
+class Flaky:
+    """BlackJack whose reset raises for seed 13."""
+
+    action_words = ("HIT", "STICK")
+
+    def __init__(self) -> None:
+        from envs.blackjack import BlackjackTextEnv
+
+        self.env = BlackjackTextEnv()
+
+    def reset(self, seed: int) -> str:
+        if seed == 13:
+            raise ConnectionError("seed 13 refused")
+        return self.env.reset(seed)
+
+    def step(self, action: str) -> StepResult:
+        return self.env.step(action)
 
 
 def test_dead_actor_is_named_in_the_error(ray_cluster):

@@ -1,6 +1,7 @@
 """TorchTitan Qwen3 + FSDP2 on gloo in Ray actors: 2 ranks train exactly like 1, and export HF weights."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -73,3 +74,68 @@ def test_two_rank_fsdp_matches_one_rank(ray_cluster, tiny_model_dir, tmp_path):
     assert diffs.mean() < 1e-4 * updates.mean()
     assert (diffs > 1e-5).float().mean() < 1e-3
     assert diffs.max() <= 3 * 1e-3  # never more than the 3 Adam steps could move a weight
+
+
+def _ranks(model_dir, world_size, allowed, tag):
+    return [TrainerActor.options(name=f"trainer-{tag}-{r}", num_cpus=0.5).remote(
+        model_dir=model_dir, trainer=TrainerConfig(lr=1e-3, micro_batch_size=8), grpo=GRPOConfig(entropy_coef=0.01),
+        total_steps=4, rank=r, world_size=world_size, allowed_token_ids=allowed) for r in range(world_size)]
+
+
+def _weights(group, folder):
+    from safetensors.torch import load_file
+
+    asyncio.run(group.export_hf(str(folder)))
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _stop(group, ranks):
+    import ray
+
+    group.shutdown()
+    for r in ranks:
+        ray.kill(r)
+
+
+def test_two_rank_checkpoint_resumes_bit_for_bit_and_a_nan_step_is_skipped(ray_cluster, tiny_model_dir, tmp_path):
+    """Model and optimizer shards of 2 FSDP2 ranks through DCP: a fresh pair that loads them takes
+    the next step exactly as the pair that wrote them. A NaN loss skips the update and no more."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    allowed = sorted(tokenizer.convert_tokens_to_ids(["HIT", "STICK"]))
+    samples = _samples(tokenizer, allowed)[:39]
+    folder = tmp_path / "ckpt"
+    (folder / "trainer").mkdir(parents=True)
+    ranks = _ranks(tiny_model_dir, 2, allowed, "a")
+    group = TrainerGroup(ranks, timeout_s=300)
+    try:
+        group.setup()
+        asyncio.run(group.train_step(samples))
+        asyncio.run(group.save_checkpoint(str(folder)))
+        assert sorted(p.name for p in (folder / "trainer").iterdir()) == [
+            ".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt"]  # sharded per rank
+        continued = asyncio.run(group.train_step(samples))
+        expected = _weights(group, tmp_path / "continued")
+    finally:
+        _stop(group, ranks)
+
+    ranks = _ranks(tiny_model_dir, 2, allowed, "b")
+    group = TrainerGroup(ranks, timeout_s=300)
+    try:
+        group.setup()
+        assert asyncio.run(group.load_checkpoint(str(folder))) == 1
+        resumed = asyncio.run(group.train_step(samples))
+        got = _weights(group, tmp_path / "resumed")
+        assert resumed == continued  # loss, statistics, lr and version: all equal
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+        poisoned = [dataclasses.replace(samples[0], behaviour_logprobs=(float("nan"),)), *samples[1:]]
+        skipped = asyncio.run(group.train_step(poisoned))
+        assert skipped["skipped_nonfinite"] == 1.0 and skipped["version"] == 3
+        after_nan = _weights(group, tmp_path / "after_nan")
+        assert all(torch.equal(after_nan[k], got[k]) for k in got)  # the update was skipped
+        healthy = asyncio.run(group.train_step(samples))
+        assert healthy["skipped_nonfinite"] == 0.0 and torch.isfinite(torch.tensor(healthy["loss"]))
+    finally:
+        _stop(group, ranks)

@@ -1,0 +1,97 @@
+"""Checkpoint files: atomic commit, checksums, pruning, and a full disk (no Ray, no model)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ray_forge import checkpoint
+from ray_forge.checkpoint import CheckpointError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write(run_dir: Path, step: int, payload: bytes = b"weights", keep: int = 2) -> Path:
+    staging = checkpoint.staging_dir(run_dir, step)
+    (staging / checkpoint.TRAINER_DIR / "__0_0.distcp").write_bytes(payload)
+    return checkpoint.commit(run_dir, step, staging, {"step": step}, keep)
+
+
+def test_commit_verifies_and_keeps_the_newest(tmp_path):
+    for step in (2, 4, 6):
+        write(tmp_path, step)
+    assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step-00000004", "step-00000006"]
+    newest = checkpoint.latest(tmp_path)
+    assert checkpoint.step_of(newest) == 6 and checkpoint.problem(newest) is None
+    assert checkpoint.read_driver_state(newest) == {"step": 6}
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda p: (p / "trainer/__0_0.distcp").write_bytes(b"weigh"), "is 5 bytes, the manifest says 7"),
+    (lambda p: (p / "trainer/__0_0.distcp").write_bytes(b"WEIGHT!"), "does not match its checksum"),
+    (lambda p: (p / "driver.pkl").unlink(), "driver.pkl is missing"),
+    (lambda p: (p / "manifest.json").unlink(), "no manifest (the write did not finish)"),
+])
+def test_a_damaged_newest_checkpoint_is_skipped_with_its_reason(tmp_path, caplog, damage, reason):
+    write(tmp_path, 2)
+    damage(write(tmp_path, 4))
+    assert checkpoint.latest(tmp_path).name == "step-00000002"
+    assert "checkpoint step-00000004 skipped: " in caplog.text and reason in caplog.text
+
+
+def test_a_leftover_partial_write_is_ignored_and_replaced(tmp_path):
+    write(tmp_path, 2)
+    partial = checkpoint.staging_dir(tmp_path, 4)  # a crash mid-write leaves this behind
+    (partial / "trainer" / "junk").write_bytes(b"x")
+    assert checkpoint.latest(tmp_path).name == "step-00000002"
+    write(tmp_path, 4)
+    assert not partial.exists() and checkpoint.latest(tmp_path).name == "step-00000004"
+
+
+FULL_DISK = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from ray_forge import checkpoint
+    run_dir = Path(sys.argv[1])
+    staging = checkpoint.staging_dir(run_dir, 2)
+    (staging / "trainer" / "__0_0.distcp").write_bytes(b"w" * 100_000)
+    checkpoint.commit(run_dir, 2, staging, {"step": 2}, keep=2)
+    staging = checkpoint.staging_dir(run_dir, 4)
+    try:
+        (staging / "trainer" / "__0_0.distcp").write_bytes(b"w" * 100_000)
+        checkpoint.commit(run_dir, 4, staging, {"step": 4, "big": b"b" * 4_000_000}, keep=2)
+    except checkpoint.CheckpointError as err:
+        print("ERROR", err)
+    print("LATEST", checkpoint.latest(run_dir).name, checkpoint.problem(checkpoint.latest(run_dir)))
+    print("LEFT", sorted(p.name for p in (run_dir / "checkpoints").iterdir()))
+""")
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path):
+    """A real full disk: a 1 MiB tmpfs mounted in a user and mount namespace of its own."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare to mount a small tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = f"mount -t tmpfs -o size=1m tmpfs {disk} && exec {sys.executable} -c '{FULL_DISK}' {disk}/run"
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("ERROR checkpoint of step 4 could not be written in" in proc.stdout
+            and "No space left on device" in proc.stdout and "the previous checkpoint step-00000002 is intact"
+            in proc.stdout), proc.stdout
+    assert "LATEST step-00000002 None" in proc.stdout
+    assert "LEFT ['step-00000002']" in proc.stdout  # nothing half-written stays behind
+
+
+def test_a_failed_write_names_the_previous_checkpoint(tmp_path):
+    write(tmp_path, 2)
+    staging = checkpoint.staging_dir(tmp_path, 4)
+    err = checkpoint.failed(tmp_path, 4, staging, OSError(28, "No space left on device"))
+    assert isinstance(err, CheckpointError) and not staging.exists()
+    assert "No space left on device" in str(err) and "step-00000002 is intact" in str(err)
