@@ -64,9 +64,10 @@ def rehearse(overrides: list[str], output_dir: Path, timeout_s: float = 900.0) -
     start = time.monotonic()
     with LocalCluster(nodes, dashboard=True) as cluster:
         cluster.wait_for_jobs()
-        job_id, job = cluster.submit(["python", "jobs/grpo.py", "--config", "jobs/configs/blackjack_tiny.yaml", *SHORT,
-                              f"run.output_dir={output_dir}", *overrides], ROOT, f"rehearsal-{int(time.time())}",
-                             timeout_s)
+        # As the RayJob does: a resubmitted rehearsal continues its unfinished run.
+        entrypoint = ["python", "jobs/grpo.py", "--config", "jobs/configs/blackjack_tiny.yaml", "--resume", "auto",
+                      *SHORT, f"run.output_dir={output_dir}", *overrides]
+        job_id, job = cluster.submit(entrypoint, ROOT, f"rehearsal-{int(time.time())}", timeout_s)
         from ray.job_submission import JobSubmissionClient
 
         status = str(JobSubmissionClient(cluster.dashboard_url).get_job_status(job_id).value)

@@ -136,8 +136,9 @@ class LocalCluster:
             time.sleep(2)
 
     def submit(self, entrypoint: list[str], working_dir: str | Path, submission_id: str,
-               timeout_s: float = 900.0) -> tuple[str, subprocess.CompletedProcess]:
-        """``ray job submit`` to this cluster, waiting for the job's end: (submission id, process).
+               timeout_s: float = 900.0, wait: bool = True) -> tuple[str, subprocess.CompletedProcess]:
+        """``ray job submit`` to this cluster, waiting for the job's end unless ``wait`` is False:
+        (submission id, process).
 
         The head's job agent can register a minute or more after the job API answers on a busy
         machine; until then every submit is refused and nothing runs, so those are retried."""
@@ -145,7 +146,8 @@ class LocalCluster:
         while True:
             job_id = submission_id if attempt == 0 else f"{submission_id}-{attempt}"
             proc = subprocess.run([self.ray, "job", "submit", "--address", self.dashboard_url, "--submission-id", job_id,
-                                   "--working-dir", str(working_dir), "--", *entrypoint],
+                                   "--working-dir", str(working_dir), *([] if wait else ["--no-wait"]), "--",
+                                   *entrypoint],
                                   capture_output=True, text=True, env=self.env, timeout=timeout_s)
             if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
                 return job_id, proc

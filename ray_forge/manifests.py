@@ -324,6 +324,32 @@ def validate(doc: dict, schemas: dict[str, dict], root: Path = Path(".")) -> lis
         config = job_config_from_entrypoint(spec["entrypoint"], root) if spec.get("entrypoint") else None
         if config is not None:
             errors += placement_errors(config, node_groups(spec["rayClusterSpec"]))
+            errors += restart_errors(spec, config)
+    return errors
+
+
+def restart_errors(spec: dict, config) -> list[str]:
+    """A RayJob that Kubernetes restarts continues its run: it is retried (backoffLimit), the retry
+    resumes (``--resume auto``), and the run directory is on a volume that outlives the pods,
+    mounted wherever it is written (the head's driver and the trainer ranks' pods)."""
+    errors = []
+    if spec.get("backoffLimit", 0) < 1:
+        errors.append("spec.backoffLimit is 0: a run whose head pod is lost is not retried; set it >= 1 "
+                      "(the entrypoint's --resume auto continues the run)")
+    if "--resume auto" not in " ".join(shlex.split(spec["entrypoint"])):
+        errors.append("spec.entrypoint has no --resume auto: a retried job would start the run again from step 0")
+    output = config.run.output_dir
+    trainer_label = config.cluster.pool_labels.get(config.trainer.resources.pool)
+    for name, group in _groups(spec["rayClusterSpec"]):
+        if name != "head" and (group.get("labels") or {}).get(POOL_LABEL) != trainer_label:
+            continue
+        pod = (group.get("template") or {}).get("spec") or {}
+        claims = {v["name"] for v in pod.get("volumes") or [] if "persistentVolumeClaim" in v}
+        mounts = [m["mountPath"].rstrip("/") + "/" for c in pod.get("containers") or []
+                  for m in c.get("volumeMounts") or [] if m.get("name") in claims]
+        if not any((output.rstrip("/") + "/").startswith(m) for m in mounts):
+            errors.append(f"group {name}: run.output_dir {output} is not on a PersistentVolumeClaim mount; "
+                          "checkpoints written there are lost with the pod")
     return errors
 
 

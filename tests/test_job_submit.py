@@ -31,3 +31,48 @@ def test_ray_job_submit_runs_the_job(head_node, tmp_path):
     assert "joined Ray cluster" in out  # it used the submitted-to cluster, not an embedded one
     runs = list(tmp_path.glob("blackjack-tiny-*/final_policy/model.safetensors"))
     assert len(runs) == 1
+
+
+def driver_pids(marker: str) -> list[int]:
+    """Python processes running jobs/grpo.py with ``marker`` in their arguments (the job's driver,
+    not the shell the job agent starts it with)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, ValueError):
+            continue
+        if "python" in Path(argv[0]).name and "jobs/grpo.py" in argv and any(marker in a for a in argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_a_job_whose_driver_is_killed_finishes_when_submitted_again_with_resume_auto(head_node, tmp_path):
+    import json
+    import os
+    import signal
+    import time
+
+    args = ["python", "jobs/grpo.py", "--config", "jobs/configs/blackjack_tiny.yaml", "--resume", "auto",
+            "run.steps=6", "run.checkpoint_every=2", "run.eval_every=0", "run.eval_mc_games=200",
+            "grpo.games_per_step=64", f"run.output_dir={tmp_path}", "model.tiny.num_layers=2", "policy.kv_cache_mb=64",
+            "run.progress=false"]
+    job_id, proc = head_node.submit(args, ROOT, "resume-first", wait=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    deadline = time.monotonic() + 600
+    while not list(tmp_path.glob("*/checkpoints/step-00000002/manifest.json")):
+        assert time.monotonic() < deadline, "the first submission did not write a checkpoint in time"
+        time.sleep(0.2)
+    [pid] = driver_pids(str(tmp_path))
+    os.kill(pid, signal.SIGKILL)  # the driver dies as a preempted head pod's would
+    [run_dir] = list(tmp_path.iterdir())
+    assert not (run_dir / "eval.json").exists()
+
+    _, proc = head_node.submit(args, ROOT, "resume-second", timeout_s=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "succeeded" in out.lower(), out[-4000:]
+    assert "(resumed)" in out and f"resumed {run_dir}" in out
+    assert list(tmp_path.iterdir()) == [run_dir]  # the same run continued; no second run directory
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert (run_dir / "final_policy" / "model.safetensors").is_file()

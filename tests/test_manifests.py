@@ -97,6 +97,15 @@ BROKEN = [
     (f"{CLUSTER}.workerGroupSpecs.1.labels", {"ray_forge/pool": "cpus"}, "no worker group has nodes labelled"),
     ("spec.entrypoint", "python jobs/grpo.py --config jobs/configs/blackjack_qwen3_1p7b.yaml env.num_actors=9",
      "pool 'cpu': env needs 2 CPU"),
+    # a job that Kubernetes restarts continues its run
+    ("spec.backoffLimit", 0, "spec.backoffLimit is 0"),
+    ("spec.entrypoint", "python jobs/grpo.py --config jobs/configs/blackjack_qwen3_1p7b.yaml", "no --resume auto"),
+    ("spec.entrypoint", "python jobs/grpo.py --config jobs/configs/blackjack_qwen3_1p7b.yaml --resume auto "
+     "run.output_dir=/tmp/runs", "group head: run.output_dir /tmp/runs is not on a PersistentVolumeClaim mount"),
+    (f"{CLUSTER}.workerGroupSpecs.0.template.spec.containers.0.volumeMounts", [{"name": "dshm", "mountPath": "/dev/shm"}],
+     "group gpu: run.output_dir /data/runs is not on a PersistentVolumeClaim mount"),
+    ("spec.entrypoint", "python jobs/grpo.py --config jobs/configs/blackjack_qwen3_1p7b.yaml --resume auto "
+     "run.output_dir=/database/runs", "is not on a PersistentVolumeClaim mount"),
     # the sandbox pods: what the code sandbox needs, and nothing more
     (f"{SANDBOX_POD}.containers.0.env", [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "h", "key": "t"}}}],
      "HF_TOKEN must not reach the sandbox pods"),
