@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=20)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.kill_at % 10 or not 0 < args.kill_at < args.steps:
+        parser.error("--kill-at must be a checkpointed step (a multiple of 10) before --steps")
     with tempfile.TemporaryDirectory() as tmp:
         plain = []
         for i in range(args.runs):
