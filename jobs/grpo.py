@@ -221,7 +221,7 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
                 progress.evals.append(dict(eval_row, step=step))
                 if config.run.keep_best and eval_row["eval_return"] > progress.best.get("eval_return", float("-inf")):
                     progress.best = dict(eval_row, step=step)
-                    await save_policy(actors, run_dir / "best_policy")
+                    await save_policy(actors, actors.model_dir, run_dir / "best_policy")
             progress.step, progress.row = step, row
             if step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 progress.counts = {k: row[k] for k in ("actor_restarts", "replayed_games", "chaos_kills")}
@@ -239,11 +239,11 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
             log.debug("rollout loop ended: %s", err)
 
 
-async def save_policy(actors: Actors, out_dir: Path) -> None:
-    """The current trainer weights as a self-contained HF folder (weights + config + tokenizer)."""
+async def save_policy(actors: Actors, model_dir: str, out_dir: Path) -> None:
+    """The current trainer weights as a self-contained HF folder (weights + config + tokenizer
+    of the base model in ``model_dir``)."""
     await actors.trainer.export_hf(str(out_dir))
-    model_dir = Path(get(actors.policies[0].get_model_dir.remote(), timeout_s=60, what="policy-0"))
-    for item in model_dir.iterdir():
+    for item in Path(model_dir).iterdir():
         if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
             shutil.copy2(item, out_dir / item.name)
 
@@ -302,7 +302,7 @@ async def run_job(run: Run, hooks: EnvHooks, model_dir: str, progress: Progress,
         await fleet.start()
         first_batch = await resume(actors, fleet, run, buffer_state) if buffer_state is not None else 0
         await train(config, hooks, actors, fleet, run_dir, progress, first_batch, wall_offset_s)
-        await save_policy(actors, run_dir / "final_policy")
+        await save_policy(actors, actors.model_dir, run_dir / "final_policy")
         final, _ = await evaluate(config, hooks, actors, fleet, config.run.eval_mc_games)
         await fleet.settle()
         versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")

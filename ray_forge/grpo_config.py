@@ -306,9 +306,11 @@ class JobConfig:
                               f"grpo.games_per_step ({self.grpo.games_per_step}): no batch could ever be sampled")
         if not 0.0 <= self.trainer.min_lr_ratio <= 1.0:
             raise ConfigError(f"trainer.min_lr_ratio = {self.trainer.min_lr_ratio!r} is out of range: it must be in [0, 1]")
+        actors = {f"{role}-{i}" for role, n in (("env", self.env.num_actors), ("policy", self.policy.num_replicas))
+                  for i in range(n)}
         for target in self.chaos.targets:
-            if target.split("-")[0] not in ("env", "policy"):
-                raise ConfigError(f"chaos.targets: {target!r} is not env, policy or an actor such as policy-1")
+            if target not in ("env", "policy") and target not in actors:
+                raise ConfigError(f"chaos.targets: {target!r} is not env, policy or one of {sorted(actors)}")
 
 
 _AT_LEAST = {

@@ -35,6 +35,8 @@ class Actors:
     reference: object | None
     store: WeightStore
     pools: Pools
+    model_dir: str = ""
+    """The base model every engine, rank and the reference started from."""
     _all: list = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -118,7 +120,7 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, 
     trainer_nodes = get([r.node_id.remote() for r in ranks], timeout_s=60, what="trainer ranks")
     transport = resolve_transport(config.weights.transport, trainer_nodes[0], policy_nodes)
     store = WeightStore.create(store_spec(config, store_name, transport))
-    actors = Actors(policies, envs, buffer, trainer, reference, store, pools, handles)
+    actors = Actors(policies, envs, buffer, trainer, reference, store, pools, model_dir, handles)
     log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s, weights over %s",
              len(policies), len(ranks), num_params / 1e6, len(envs), kl, transport)
     env_nodes = get([e.node_id.remote() for e in envs], timeout_s=60, what="env actors")

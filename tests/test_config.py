@@ -80,7 +80,8 @@ def test_cross_field_checks():
         ("policy.temperature=-1", "policy.temperature = -1.0 is out of range: it must be >= 0.0"),
         ("trainer.min_lr_ratio=2", "trainer.min_lr_ratio = 2.0 is out of range: it must be in [0, 1]"),
         ("buffer.capacity_games=64", "buffer.capacity_games (64) is smaller than grpo.games_per_step"),
-        ("chaos.targets=[trainer]", "chaos.targets: 'trainer' is not env, policy or an actor"),
+        ("chaos.targets=[trainer]", "chaos.targets: 'trainer' is not env, policy or one of"),
+        ("chaos.targets=[policy-5]", "chaos.targets: 'policy-5' is not env, policy or one of ['env-0', 'policy-0']"),
     ],
 )
 def test_out_of_range_values_name_the_key(override, message):

@@ -162,10 +162,6 @@ class VLLMPolicy:
     def num_workers(self) -> int:
         return self.config.tensor_parallel_size
 
-    def get_model_dir(self) -> str:
-        """The folder the engine started from (tokenizer and config live there)."""
-        return self.model_dir
-
     def get_version(self) -> int:
         return self.version
 
