@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SYNC = ["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), "run.steps=4", "run.checkpoint_every=2",
         "run.eval_every=0", "run.eval_mc_games=200", "grpo.games_per_step=64", "buffer.max_policy_lag=0",
         "run.progress=false", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
-        "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64", "run.seed=3"]
+        "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64", "run.seed=3",
+        "grpo.kl_coef=0.05"]  # with a reference model: it must stay the base model across a resume
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -92,7 +93,7 @@ def test_killed_driver_resumes_to_the_same_weights_bit_for_bit(uninterrupted, tm
     assert summary["policy_versions"] == [4, 4]
     resumed, plain = rows(run_dir), rows(uninterrupted)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # appended, no step twice
-    for key in ("train_reward", "loss", "grad_norm", "generated", "trained", "buffer_size"):
+    for key in ("train_reward", "loss", "kl", "grad_norm", "generated", "trained", "buffer_size"):
         assert [r[key] for r in resumed] == [r[key] for r in plain], key
     assert_bitwise_equal(final_weights(run_dir), final_weights(uninterrupted))
 
