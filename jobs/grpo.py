@@ -119,7 +119,10 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
 
 async def next_batch(config: JobConfig, actors: Actors, state: LoopState, rollout: asyncio.Task) -> list:
     """The next ``games_per_step`` games from the buffer; fails if the rollout loop died."""
-    deadline = time.monotonic() + config.policy.call_timeout_s
+    # A backstop only: every call of the rollout has its own timeout, and a batch may need a
+    # generate and a step per turn, and a replay after a restart, before it is in the buffer.
+    limit_s = 2 * (config.env.max_turns + 1) * (config.policy.call_timeout_s + config.env.call_timeout_s)
+    deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if rollout.done():
             rollout.result()  # re-raises the rollout's error
@@ -129,7 +132,7 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState, rollou
         if groups is not None:
             return groups
         await asyncio.sleep(0.01)
-    raise TimeoutError(f"no training batch within {config.policy.call_timeout_s:.0f}s")
+    raise TimeoutError(f"no training batch within {limit_s:.0f}s")
 
 
 async def push_weights(actors: Actors, fleet: Fleet, version: int) -> dict[str, float]:
@@ -157,6 +160,12 @@ async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fl
     raise AssertionError("unreachable")
 
 
+def _inner(err: ray.exceptions.RayTaskError) -> str:
+    """The remote error's last line (DCP wraps a rank's OSError in its own exception)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else err.__class__.__name__
+
+
 def accounting(buffer_stats: dict[str, int], fleet: Fleet, state: LoopState, carried: dict) -> dict[str, int]:
     """Game counts since the run began: generated = trained + evicted + dropped + still buffered;
     restarts, replays and chaos kills, with ``carried`` from before a resume added."""
@@ -178,13 +187,13 @@ async def save_checkpoint(config: JobConfig, actors: Actors, run_dir: Path, prog
     try:
         await actors.trainer.save_checkpoint(str(staging))
     except ray.exceptions.RayTaskError as err:  # a rank could not write its shards (a full disk, ...)
-        if not isinstance(err.cause, OSError):
-            raise
-        raise checkpoint.failed(run_dir, progress.step, staging, err.cause) from None
+        raise checkpoint.failed(run_dir, progress.step, staging, RuntimeError(_inner(err))) from None
     buffer_state = await call(actors.buffer.state.remote(), timeout_s=60, what="buffer.state")
     driver = dict(dataclasses.asdict(progress), buffer=buffer_state, policy_version=progress.step,
                   rng=dict(python=random.getstate(), torch=torch.get_rng_state()))
-    await asyncio.to_thread(checkpoint.commit, run_dir, progress.step, staging, driver, config.run.keep_checkpoints)
+    expected = [checkpoint.DCP_METADATA] + [checkpoint.rank_file(r) for r in range(config.trainer.num_ranks)]
+    await asyncio.to_thread(checkpoint.commit, run_dir, progress.step, staging, driver, config.run.keep_checkpoints,
+                            expected)
     return time.monotonic() - start
 
 
@@ -206,7 +215,7 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
                 ref = await call(actors.reference.logprobs.remote(samples), timeout_s=config.reference.call_timeout_s,
                                  what="ref.logprobs")
                 samples = [dataclasses.replace(s, ref_logprobs=r) for s, r in zip(samples, ref)]
-            train_stats = await actors.trainer.train_step(samples) if samples else {}
+            train_stats = await actors.trainer.train_step(samples)
             policy_lag = state.trainer_version - batch_stats["sample_policy_version"]
             state.trainer_version = step
             sync = await push_weights(actors, fleet, step)
@@ -221,7 +230,7 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
                 progress.evals.append(dict(eval_row, step=step))
                 if config.run.keep_best and eval_row["eval_return"] > progress.best.get("eval_return", float("-inf")):
                     progress.best = dict(eval_row, step=step)
-                    await save_policy(actors, actors.model_dir, run_dir / "best_policy")
+                    await save_policy(actors, actors.model_dir, run_dir / "best_policy", step)
             progress.step, progress.row = step, row
             if step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 progress.counts = {k: row[k] for k in ("actor_restarts", "replayed_games", "chaos_kills")}
@@ -239,13 +248,22 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
             log.debug("rollout loop ended: %s", err)
 
 
-async def save_policy(actors: Actors, model_dir: str, out_dir: Path) -> None:
+async def save_policy(actors: Actors, model_dir: str, out_dir: Path, step: int) -> None:
     """The current trainer weights as a self-contained HF folder (weights + config + tokenizer
-    of the base model in ``model_dir``)."""
-    await actors.trainer.export_hf(str(out_dir))
+    of the base model in ``model_dir``), made whole under another name, then renamed into place;
+    ``ray_forge.json`` says which step's weights it holds."""
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    await actors.trainer.export_hf(str(partial))
     for item in Path(model_dir).iterdir():
         if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
-            shutil.copy2(item, out_dir / item.name)
+            shutil.copy2(item, partial / item.name)
+    (partial / SAVED_STEP).write_text(json.dumps({"step": step}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    partial.rename(out_dir)
+
+
+SAVED_STEP = "ray_forge.json"
 
 
 def prepare_model(config: JobConfig, hooks: EnvHooks, run_dir: Path) -> str:
@@ -270,6 +288,11 @@ def restore_progress(run: Run) -> tuple[Progress, dict | None, float]:
     torch.set_rng_state(saved["rng"]["torch"])
     progress = Progress(**{f.name: saved[f.name] for f in dataclasses.fields(Progress)})
     wall = truncate_metrics(run.run_dir, progress.step)
+    best = run.run_dir / "best_policy"
+    if best.is_dir() and json.loads((best / SAVED_STEP).read_text())["step"] != progress.best.get("step"):
+        log.warning("%s holds weights of a step after the checkpoint: removed (the next better evaluation "
+                    "saves it again)", best)
+        shutil.rmtree(best)
     rows = read_metrics(run.run_dir / "metrics.jsonl") if (run.run_dir / "metrics.jsonl").exists() else []
     if not rows or rows[-1]["step"] != progress.step:
         # The kill came between the checkpoint and its metrics row: write the row from the checkpoint.
@@ -278,13 +301,20 @@ def restore_progress(run: Run) -> tuple[Progress, dict | None, float]:
     return progress, saved["buffer"], wall
 
 
-async def resume(actors: Actors, fleet: Fleet, run: Run, buffer_state: dict) -> int:
+async def resume(actors: Actors, fleet: Fleet, run: Run, run_step: int, buffer_state: dict) -> int:
     """Trainer and buffer from the checkpoint, then the engines onto the restored weights; returns the next batch."""
-    version = await actors.trainer.load_checkpoint(str(run.resume_from))
+    try:
+        version = await actors.trainer.load_checkpoint(str(run.resume_from))
+    except ray.exceptions.RayTaskError as err:
+        raise CheckpointError(f"{run.resume_from} could not be loaded: {_inner(err)}; move it aside to resume "
+                              "from the one before") from None
+    if version != run_step:
+        raise CheckpointError(f"{run.resume_from}: the trainer's shards are at version {version}, "
+                              f"the driver's state at step {run_step}")
     buffered = await call(actors.buffer.load_state.remote(buffer_state), timeout_s=60, what="buffer.load_state")
     await push_weights(actors, fleet, version)
     log.info("resumed %s from %s: step %d, policy version %d, %d games buffered, next batch %d", run.run_dir,
-             run.resume_from.name, version, version, buffered, buffer_state["next_batch"])
+             run.resume_from.name, run_step, version, buffered, buffer_state["next_batch"])
     return buffer_state["next_batch"]
 
 
@@ -300,9 +330,9 @@ async def run_job(run: Run, hooks: EnvHooks, model_dir: str, progress: Progress,
         fleet = Fleet(actors.policies, actors.envs, policy_timeout_s=config.policy.call_timeout_s,
                       env_timeout_s=config.env.call_timeout_s)
         await fleet.start()
-        first_batch = await resume(actors, fleet, run, buffer_state) if buffer_state is not None else 0
+        first_batch = await resume(actors, fleet, run, progress.step, buffer_state) if buffer_state is not None else 0
         await train(config, hooks, actors, fleet, run_dir, progress, first_batch, wall_offset_s)
-        await save_policy(actors, actors.model_dir, run_dir / "final_policy")
+        await save_policy(actors, actors.model_dir, run_dir / "final_policy", config.run.steps)
         final, _ = await evaluate(config, hooks, actors, fleet, config.run.eval_mc_games)
         await fleet.settle()
         versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")

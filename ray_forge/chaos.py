@@ -25,13 +25,13 @@ def victims(config: ChaosConfig, names: list[str]) -> list[str]:
 
 async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event, kills: list[str]) -> None:
     """Until ``stop`` is set: wait ``every_s`` (x0.5 to x1.5), kill one allowed actor, append its
-    name to ``kills``. An actor killed before is spared until the fleet has seen it come back:
-    killing an engine again while it restarts would only show that it cannot start."""
+    name to ``kills``. An actor is spared while it restarts (Ray says it is not alive yet):
+    killing an engine again before it is up would only show that it cannot start. If the drawn
+    one is restarting, another is drawn; if all are, the kill waits."""
     rng = random.Random(config.seed)
     allowed = victims(config, sorted(fleet.members))
     if not allowed:
         raise ValueError(f"chaos.targets {config.targets} match no actor of {sorted(fleet.members)}")
-    killed_pid: dict[str, int] = {}
     while True:
         try:
             await asyncio.wait_for(stop.wait(), timeout=config.every_s * rng.uniform(0.5, 1.5))
@@ -39,11 +39,22 @@ async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event, kills: l
         except asyncio.TimeoutError:
             pass
         name = rng.choice(allowed)
-        while name in killed_pid and not fleet.restarted_since(name, killed_pid[name]):
-            if stop.is_set():
+        while not _up(fleet, name):
+            up = [n for n in allowed if _up(fleet, n)]
+            if up:
+                name = rng.choice(up)
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
                 return
-            await asyncio.sleep(0.5)
-        killed_pid[name] = fleet.pids[name]
+            except asyncio.TimeoutError:
+                pass
         log.warning("chaos: killing %s", name)
         ray.kill(fleet.members[name], no_restart=False)
         kills.append(name)
+        await asyncio.sleep(1.0)  # Ray marks it restarting within this; never count a kill on a corpse
+
+
+def _up(fleet, name: str) -> bool:
+    state = fleet.ray_restarts(name)
+    return state is None or state[1]

@@ -24,6 +24,12 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 DRIVER_STATE = "driver.pkl"
 TRAINER_DIR = "trainer"
+DCP_METADATA = f"{TRAINER_DIR}/.metadata"
+
+
+def rank_file(rank: int) -> str:
+    """A trainer rank's LR schedule, version and RNG state, beside the DCP shards."""
+    return f"{TRAINER_DIR}/rank-{rank}.pt"
 _PREFIX = "step-"
 
 
@@ -46,11 +52,17 @@ def staging_dir(run_dir: Path, step: int) -> Path:
     return path
 
 
-def commit(run_dir: Path, step: int, staging: Path, driver_state: dict[str, Any], keep: int) -> Path:
+def commit(run_dir: Path, step: int, staging: Path, driver_state: dict[str, Any], keep: int,
+           expected: list[str] = ()) -> Path:
     """Add the driver's state to ``staging`` (whose trainer part is written), make it the
     checkpoint of ``step``, and keep only the newest ``keep``. On any error the previous
-    checkpoints are untouched and the partial one is removed."""
+    checkpoints are untouched and the partial one is removed. ``expected`` files (relative
+    paths) must be there: a rank that wrote elsewhere must not yield a checkpoint that verifies."""
     final = checkpoints_dir(run_dir) / f"{_PREFIX}{step:08d}"
+    missing = [name for name in expected if not (staging / name).is_file()]
+    if missing:
+        raise failed(run_dir, step, staging, FileNotFoundError(f"{', '.join(missing)} not written (is {run_dir} "
+                                                               "on storage every trainer rank shares?)"))
     try:
         with open(staging / DRIVER_STATE, "wb") as f:
             pickle.dump(driver_state, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -73,17 +85,17 @@ def commit(run_dir: Path, step: int, staging: Path, driver_state: dict[str, Any]
     return final
 
 
-def failed(run_dir: Path, step: int, staging: Path, err: OSError) -> CheckpointError:
+def failed(run_dir: Path, step: int, staging: Path, err: BaseException) -> CheckpointError:
     """Remove what step ``step`` wrote so far and say why it failed (a full disk, ...)."""
     shutil.rmtree(staging, ignore_errors=True)
     return _write_error(run_dir, step, err)
 
 
-def _write_error(run_dir: Path, step: int, err: OSError) -> CheckpointError:
+def _write_error(run_dir: Path, step: int, err: BaseException) -> CheckpointError:
     previous = latest(run_dir, quiet=True)
     kept = f"the previous checkpoint {previous.name} is intact" if previous else "there is no earlier checkpoint"
     return CheckpointError(f"checkpoint of step {step} could not be written in {checkpoints_dir(run_dir)}: "
-                           f"{err.strerror or err} ({err.__class__.__name__}); {kept}")
+                           f"{getattr(err, 'strerror', None) or err} ({err.__class__.__name__}); {kept}")
 
 
 def problem(path: Path) -> str | None:

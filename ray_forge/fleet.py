@@ -125,9 +125,9 @@ class Fleet:
         while self._recovering:
             await asyncio.gather(*self._recovering.values(), return_exceptions=True)
 
-    def restarted_since(self, name: str, pid: int) -> bool:
-        """Whether ``name`` is known to run in a process other than ``pid`` (it came back)."""
-        return self.pids.get(name, pid) != pid and name not in self._recovering
+    def ray_restarts(self, name: str) -> tuple[int, bool] | None:
+        """(times Ray restarted ``name``, whether it is alive now), from the GCS; None if unknown."""
+        return _actor_state(self.members[name])
 
     async def ready(self, name: str) -> None:
         """Return once ``name`` is live and holds the fleet's version (for evaluations)."""
@@ -162,17 +162,18 @@ class Fleet:
     def stats(self) -> dict[str, int]:
         """Restarts as Ray's control store counts them (a member killed while idle and back before
         its next call is one too), else as this fleet saw them; games replayed; members down."""
-        counted = [_num_restarts(handle) for handle in self.members.values()]
-        restarts = sum(counted) if None not in counted else self.restarts
+        counted = [_actor_state(handle) for handle in self.members.values()]
+        restarts = sum(c[0] for c in counted) if None not in counted else self.restarts
         return dict(actor_restarts=restarts, replayed_games=self.replayed_games,
                     actors_restarting=len(self._recovering), actors_lost=len(self.lost))
 
 
-def _num_restarts(handle) -> int | None:
-    """Ray's count of restarts of one actor, from the GCS (no dashboard needed); None if unknown."""
+def _actor_state(handle) -> tuple[int, bool] | None:
+    """(Ray's count of restarts, alive) of one actor, from the GCS (no dashboard needed); None if unknown."""
     import ray
 
     try:
-        return int(ray._private.state.actors(actor_id=handle._actor_id.hex())["NumRestarts"])
+        info = ray._private.state.actors(actor_id=handle._actor_id.hex())
+        return int(info["NumRestarts"]), info["State"] == "ALIVE"
     except Exception:  # a private API: fall back to the restarts the fleet saw itself
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,22 +41,40 @@ def open_run(config_path: str, overrides: list[str], resume: str | None) -> Run:
         return Run(config, new_run_dir(config), None)
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(f"--resume {run_dir}: not a run directory (it has no {CONFIG_FILE})")
-    # The run keeps its own config; command-line overrides (e.g. more run.steps) apply on top.
+    # The run keeps its own config; command-line overrides (e.g. more run.steps) apply on top,
+    # except those that would change what the checkpoint's batches and shards mean.
+    saved = load_config(JobConfig, run_dir / CONFIG_FILE)
     config = load_config(JobConfig, run_dir / CONFIG_FILE, overrides)
-    return Run(config, run_dir, checkpoint.latest(run_dir), resumed=True)
+    for key in FIXED_ON_RESUME:
+        if _get(saved, key) != _get(config, key):
+            raise ConfigError(f"--resume {run_dir}: {key} cannot change on resume ({_get(saved, key)!r} -> "
+                              f"{_get(config, key)!r}): the checkpoint's batches, seeds and shards depend on it")
+    return Run(config, run_dir.resolve(), checkpoint.latest(run_dir), resumed=True)
+
+
+FIXED_ON_RESUME = ("run.seed", "grpo.games_per_step", "grpo.group_size", "trainer.num_ranks", "model.path",
+                   "model.tiny", "policy.constrain_to_actions", "env.name")
+"""Settings a resumed run keeps from its saved config whatever the command line says."""
+
+
+def _get(config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
 
 
 def new_run_dir(config: JobConfig) -> Path:
-    return Path(config.run.output_dir) / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return (Path(config.run.output_dir) / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
 def latest_unfinished(config: JobConfig) -> Path | None:
-    """The newest run directory of this config's ``run.name`` that has not finished."""
+    """The newest run directory of this config's ``run.name`` (``<name>-YYYYmmdd-HHMMSS``) that has
+    not finished, by the time in its name."""
     root = Path(config.run.output_dir)
     if not root.is_dir():
         return None
-    runs = sorted((p for p in root.glob(f"{config.run.name}-*") if (p / CONFIG_FILE).is_file()),
-                  key=lambda p: p.stat().st_mtime)
+    pattern = re.compile(re.escape(config.run.name) + r"-\d{8}-\d{6}")
+    runs = sorted(p for p in root.iterdir() if pattern.fullmatch(p.name) and (p / CONFIG_FILE).is_file())
     unfinished = [p for p in runs if not (p / FINISHED_FILE).exists()]
     return unfinished[-1] if unfinished else None
 

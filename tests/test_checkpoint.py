@@ -95,3 +95,14 @@ def test_a_failed_write_names_the_previous_checkpoint(tmp_path):
     err = checkpoint.failed(tmp_path, 4, staging, OSError(28, "No space left on device"))
     assert isinstance(err, CheckpointError) and not staging.exists()
     assert "No space left on device" in str(err) and "step-00000002 is intact" in str(err)
+
+
+def test_a_checkpoint_missing_a_ranks_files_is_refused(tmp_path):
+    """A rank that wrote its shards elsewhere (no shared storage) must not leave a checkpoint that verifies."""
+    write(tmp_path, 2)
+    staging = checkpoint.staging_dir(tmp_path, 4)
+    (staging / checkpoint.DCP_METADATA).write_bytes(b"m")
+    with pytest.raises(CheckpointError, match=r"trainer/rank-1\.pt not written .*step-00000002 is intact"):
+        checkpoint.commit(tmp_path, 4, staging, {"step": 4}, keep=2,
+                          expected=[checkpoint.DCP_METADATA, checkpoint.rank_file(0), checkpoint.rank_file(1)])
+    assert checkpoint.latest(tmp_path).name == "step-00000002" and not staging.exists()

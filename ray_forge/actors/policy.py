@@ -71,7 +71,7 @@ class VLLMPolicy:
                             if config.constrain_to_actions and action_words else None)
         log.info("vLLM engine up in %.1fs (%s, allowed tokens %s)", time.monotonic() - start, model_dir,
                  self.allowed_ids)
-        if ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
+        if _restarted_actor():
             self._catch_up(store_name)
 
     def _catch_up(self, store_name: str) -> None:
@@ -173,6 +173,14 @@ class VLLMPolicy:
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+
+def _restarted_actor() -> bool:
+    """Whether this process is a Ray actor that Ray restarted (False in a driver or a plain process)."""
+    if not ray.is_initialized():
+        return False
+    context = ray.get_runtime_context()
+    return context.get_actor_id() is not None and context.was_current_actor_reconstructed
 
 
 PolicyActor = ray.remote(VLLMPolicy)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ray_forge.batch import TensorBatch, collate
+from ray_forge.checkpoint import TRAINER_DIR, rank_file
 from ray_forge.episode import Sample
 from ray_forge.grpo import grpo_loss, loss_normalizer, token_logprobs_and_entropy
 from ray_forge.grpo_config import GRPOConfig, TrainerConfig
@@ -79,7 +80,16 @@ class TitanTrainer:
         return sum(p.numel() for p in self.model.parameters()) * self.world_size
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step on the GRPO loss; returns this rank's share of each statistic."""
+        """One optimizer step on the GRPO loss; returns this rank's share of each statistic.
+
+        An empty batch (every group without signal) changes no weight, but the version and the
+        LR schedule still advance: the version is the step, and the checkpoint records it."""
+        if not samples:
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            self.version += 1
+            return dict(loss=0.0, clip_fraction=0.0, kl=0.0, entropy=0.0, ratio_mean=0.0, num_tokens=0.0,
+                        grad_norm=0.0, lr=lr, version=self.version, skipped_nonfinite=0.0)
         full = collate(samples)
         normalizer = loss_normalizer(full.mask_BT, full.weights_B, self.grpo.token_aggregation)
         rows = self._my_rows(len(samples))
@@ -147,9 +157,9 @@ class TitanTrainer:
 
         start = time.monotonic()
         state = {"model": self.model.state_dict(), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
-        dcp.save(state, checkpoint_id=str(Path(folder) / "trainer"))
+        dcp.save(state, checkpoint_id=str(Path(folder) / TRAINER_DIR))
         torch.save(dict(scheduler=self.scheduler.state_dict(), version=self.version, rng=torch.get_rng_state()),
-                   Path(folder) / "trainer" / f"rank-{self.rank}.pt")
+                   Path(folder) / rank_file(self.rank))
         return time.monotonic() - start
 
     def load_checkpoint(self, folder: str) -> int:
@@ -159,12 +169,12 @@ class TitanTrainer:
 
         # Asking for the optimizer's state dict first creates its (empty) moments, which the load then fills.
         state = {"model": self.model.state_dict(), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
-        dcp.load(state, checkpoint_id=str(Path(folder) / "trainer"))
+        dcp.load(state, checkpoint_id=str(Path(folder) / TRAINER_DIR))
         # TorchTitan's fused QKV shows wq/wk/wv in the state dict as copies, not views of the
         # parameter: loading in place misses them, load_state_dict fuses them back.
         self.model.load_state_dict(state["model"], strict=True)
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        extra = torch.load(Path(folder) / "trainer" / f"rank-{self.rank}.pt", weights_only=False)
+        extra = torch.load(Path(folder) / rank_file(self.rank), weights_only=False)
         self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng"])
         self.version = extra["version"]

@@ -1,0 +1,46 @@
+"""Which run --resume continues, and what it may not change (no Ray)."""
+
+import pytest
+import yaml
+
+from ray_forge.config import ConfigError, load_config, to_dict
+from ray_forge.grpo_config import JobConfig
+from ray_forge.run_dir import FINISHED_FILE, latest_unfinished, open_run
+
+
+def make_run(root, name, finished=False, **overrides):
+    config = load_config(JobConfig, None, [f"run.output_dir={root}", *[f"{k}={v}" for k, v in overrides.items()]])
+    (root / name).mkdir(parents=True)
+    (root / name / "config.yaml").write_text(yaml.safe_dump(to_dict(config)))
+    if finished:
+        (root / name / FINISHED_FILE).write_text("{}")
+    return root / name
+
+
+def test_auto_takes_the_newest_unfinished_run_of_exactly_this_name(tmp_path):
+    make_run(tmp_path, "blackjack-20261201-090000")
+    newest = make_run(tmp_path, "blackjack-20261201-100000")
+    make_run(tmp_path, "blackjack-20261201-110000", finished=True)
+    make_run(tmp_path, "blackjack-tiny-20261201-120000")  # another run.name that starts the same
+    config = load_config(JobConfig, None, [f"run.output_dir={tmp_path}", "run.name=blackjack"])
+    assert latest_unfinished(config) == newest
+
+
+def test_auto_starts_fresh_when_every_run_finished(tmp_path):
+    make_run(tmp_path, "blackjack-20261201-110000", finished=True)
+    config = load_config(JobConfig, None, [f"run.output_dir={tmp_path}", "run.name=blackjack"])
+    assert latest_unfinished(config) is None
+
+
+@pytest.mark.parametrize("override", ["grpo.games_per_step=64", "run.seed=5", "trainer.num_ranks=2"])
+def test_a_resume_may_not_change_what_the_checkpoint_depends_on(tmp_path, override):
+    run = make_run(tmp_path, "blackjack-20261201-100000", **{"run.name": "blackjack"})
+    with pytest.raises(ConfigError, match=f"{override.split('=')[0]} cannot change on resume"):
+        open_run(str(run / "config.yaml"), [override], str(run))
+
+
+def test_a_resume_may_train_longer(tmp_path):
+    run = make_run(tmp_path, "blackjack-20261201-100000", **{"run.name": "blackjack", "run.steps": 10})
+    resumed = open_run(str(run / "config.yaml"), ["run.steps=30"], str(run))
+    assert resumed.config.run.steps == 30 and resumed.resumed and resumed.run_dir == run.resolve()
+    assert resumed.resume_from is None  # no checkpoint yet: it starts again from step 0
