@@ -1,6 +1,9 @@
-"""Print a run's learning curve (exact return of the greedy policy against step and wall time) as Markdown.
+"""Print a run's learning curve (exact return of the greedy policy against step and wall time) as
+Markdown; with ``--beside``, also draw BlackJack runs' evaluation curves and actor restarts in one PNG.
 
     python jobs/learning_curve.py runs/<run>
+    python jobs/learning_curve.py runs/<chaos run> --beside runs/<undisturbed run> --png side_by_side.png \
+        --labels "killed every ~60 s" undisturbed
 """
 
 from __future__ import annotations
@@ -36,9 +39,23 @@ def curve_table(run_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
-    print(curve_table(parser.parse_args(argv).run_dir))
+    parser.add_argument("--beside", type=Path, nargs="*", default=[], help="other runs to draw beside it")
+    parser.add_argument("--png", type=Path, help="where to draw the runs side by side")
+    parser.add_argument("--labels", nargs="*", help="one legend label per run (default: the folder names)")
+    args = parser.parse_args(argv)
+    print(curve_table(args.run_dir))
+    if args.png:
+        from envs.blackjack.plots import reference_returns
+        from ray_forge.plots import runs_side_by_side_png
+
+        dirs = [args.run_dir, *args.beside]
+        labels = args.labels or [d.name for d in dirs]
+        if len(labels) != len(dirs):
+            parser.error(f"{len(dirs)} runs but {len(labels)} labels")
+        runs = {label: read_metrics(d / "metrics.jsonl") for label, d in zip(labels, dirs)}
+        print(runs_side_by_side_png(runs, args.png, "BlackJack GRPO: evaluation return", reference_returns()))
 
 
 if __name__ == "__main__":

@@ -61,3 +61,28 @@ def learning_curve_png(rows: list[dict[str, Any]], path: str | Path, title: str 
     bottom.grid(alpha=0.3)
     fig.suptitle(title or "learning curve")
     return save(fig, path)
+
+
+def runs_side_by_side_png(runs: dict[str, list[dict[str, Any]]], path: str | Path, title: str = "",
+                          references: dict[str, float] | None = None) -> Path:
+    """Evaluation return per step of several runs on one axis, and below it each run's actor
+    restarts since it began (flat for an undisturbed run), so faults line up with the curves."""
+    fig = figure()
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    for i, (label, rows) in enumerate(runs.items()):
+        evals = [(r["step"], r["eval_return"]) for r in rows if r.get("eval_return") is not None]
+        if evals:
+            top.plot(*zip(*evals), "o-", color=f"C{i}", lw=2, label=label)
+        bottom.step([r["step"] for r in rows], [r.get("actor_restarts", 0) for r in rows], where="post",
+                    color=f"C{i}", lw=2, label=label)
+    for i, (name, value) in enumerate((references or {}).items()):
+        top.axhline(value, ls="--", lw=1.2, color=f"C{3 + i}", label=name)
+    top.set_ylabel("greedy policy return (eval)")
+    top.legend(loc="lower right")
+    top.grid(alpha=0.3)
+    bottom.set_ylabel("actor restarts so far")
+    bottom.set_xlabel("training step")
+    bottom.legend(loc="upper left")
+    bottom.grid(alpha=0.3)
+    fig.suptitle(title or "runs side by side")
+    return save(fig, path)

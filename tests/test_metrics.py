@@ -7,6 +7,7 @@ from pathlib import Path
 from ray_forge.metrics import MetricsLog, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def test_metrics_rows_are_flushed_and_readable(tmp_path):
@@ -31,6 +32,22 @@ def test_learning_curve_table(tmp_path):
     table = learning_curve.curve_table(tmp_path)
     assert "| 2 | 128 | 0:00 | -0.0612 | 0.900 |" in table
     assert "exact return **-0.0600**" in table
+
+
+def test_runs_side_by_side_png(tmp_path, capsys):
+    import learning_curve
+    from test_job import png_size
+
+    for name, restarts in (("chaos", [0, 1, 3]), ("plain", [0, 0, 0])):
+        (tmp_path / name).mkdir()
+        log = MetricsLog(tmp_path / name, total_steps=3, progress=False)
+        for step, count in enumerate(restarts, 1):
+            log.log(step, num_games=64, actor_restarts=count, eval_return=-0.1 + 0.01 * step)
+        log.close()
+    out = tmp_path / "side.png"
+    learning_curve.main([str(tmp_path / "chaos"), "--beside", str(tmp_path / "plain"), "--png", str(out),
+                         "--labels", "killed", "undisturbed"])
+    assert png_size(out) == (1200, 800) and str(out) in capsys.readouterr().out
 
 
 def test_the_grafana_dashboard_charts_every_exported_metric():

@@ -59,15 +59,19 @@ def decision_table_png(decisions: dict[str, int], path: str | Path, title: str =
     return save(fig, path)
 
 
-def run_pictures(run_dir: str | Path, rows: list[dict], decisions: dict[str, int]) -> list[Path]:
-    """The PNGs a BlackJack run ends with: its learning curve and its final decision table."""
+def reference_returns() -> dict[str, float]:
+    """Exact returns of the optimal, the best dealer-blind and the always-STICK policies."""
     from envs.blackjack.exact import all_states
 
     # The best policy that ignores the dealer's card: the ceiling of the public demo's prompt.
     dealer_blind = {s: float(s.player_sum < (18 if s.usable_ace else 15)) for s in all_states()}
-    references = {"optimal policy (exact)": evaluate_table(optimal_table()),
-                  "best dealer-blind policy (exact)": evaluate_table(dealer_blind),
-                  "always STICK (exact)": evaluate_table({s: 0.0 for s in all_states()})}
+    return {"optimal policy (exact)": evaluate_table(optimal_table()),
+            "best dealer-blind policy (exact)": evaluate_table(dealer_blind),
+            "always STICK (exact)": evaluate_table({s: 0.0 for s in all_states()})}
+
+
+def run_pictures(run_dir: str | Path, rows: list[dict], decisions: dict[str, int]) -> list[Path]:
+    """The PNGs a BlackJack run ends with: its learning curve and its final decision table."""
     run_dir = Path(run_dir)
-    return [learning_curve_png(rows, run_dir / "learning_curve.png", "BlackJack GRPO", references),
+    return [learning_curve_png(rows, run_dir / "learning_curve.png", "BlackJack GRPO", reference_returns()),
             decision_table_png(decisions, run_dir / "decision_table.png")]
