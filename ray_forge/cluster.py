@@ -41,7 +41,7 @@ def connect(config: ClusterConfig, namespace: str = NAMESPACE) -> bool:
         return False
     ray.init(
         num_cpus=config.num_cpus,
-        num_gpus=0,
+        num_gpus=None if config.num_gpus == "auto" else config.num_gpus,
         object_store_memory=config.object_store_memory_mb * 2**20,
         include_dashboard=config.include_dashboard,
         namespace=namespace,
@@ -49,8 +49,9 @@ def connect(config: ClusterConfig, namespace: str = NAMESPACE) -> bool:
     )
     ctx = ray.get_runtime_context()
     dashboard = getattr(ray._private.worker.global_worker.node, "address_info", {}).get("webui_url")
-    log.info("started an embedded Ray cluster (%d CPUs, node %s); dashboard: %s",
-             config.num_cpus, ctx.get_node_id()[:8], dashboard and f"http://{dashboard}")
+    log.info("started an embedded Ray cluster (%d CPUs, %d GPUs, node %s); dashboard: %s",
+             config.num_cpus, int(ray.cluster_resources().get("GPU", 0)), ctx.get_node_id()[:8],
+             dashboard and f"http://{dashboard}")
     return True
 
 

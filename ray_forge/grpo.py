@@ -62,6 +62,15 @@ class LossTerms:
     kl: torch.Tensor
     entropy: torch.Tensor
     ratio_mean: torch.Tensor
+    logprob_diff: torch.Tensor
+    """Mean |trainer logprob - behaviour logprob| of the tokens: on-policy, the precision gap
+    between engine and trainer (0 when both compute alike); off-policy it adds the lag."""
+    tis_weight: torch.Tensor
+    """Mean truncated importance weight (1 when ``tis_cap`` is off)."""
+
+
+TOKEN_STATS = ("clip_fraction", "kl", "entropy", "ratio_mean", "logprob_diff", "tis_weight")
+"""The token-weighted statistics of :class:`LossTerms` (a step reports their means)."""
 
 
 def grpo_loss(
@@ -78,21 +87,34 @@ def grpo_loss(
     entropy_coef: float = 0.0,
     aggregation: Aggregation = "token-mean",
     normalizer: torch.Tensor | None = None,
+    tis_cap: float = 0.0,
 ) -> LossTerms:
     """Clipped policy-ratio loss against the behaviour policy's logprobs (importance-corrected).
 
     ratio = pi_theta / pi_behaviour per token, where pi_behaviour is what the rollout engine
     reported; samples from older policy versions are therefore corrected, not assumed on-policy.
+
+    With ``tis_cap`` > 0 (truncated importance sampling, as verl and slime do when the engine
+    samples in another precision than the trainer computes in): the clipped ratio is taken
+    against the trainer's own logprobs before this update (pi_old, detached), and each token's
+    term is weighted by min(pi_old / pi_behaviour, tis_cap), detached. The engine's numerics then
+    weight the gradient instead of moving the clip window, and the cap bounds its variance.
     """
     mask_BT = mask_BT.to(logprobs_BT.dtype)
     if weights_B is None:
         weights_B = torch.ones_like(advantages_B)
     if normalizer is None:
         normalizer = loss_normalizer(mask_BT, weights_B, aggregation)
-    ratio_BT = torch.exp(logprobs_BT - behaviour_logprobs_BT)
+    old_BT = logprobs_BT.detach()
+    if tis_cap > 0:
+        ratio_BT = torch.exp(logprobs_BT - old_BT)
+        tis_BT = torch.exp(old_BT - behaviour_logprobs_BT).clamp(max=tis_cap)
+    else:
+        ratio_BT = torch.exp(logprobs_BT - behaviour_logprobs_BT)
+        tis_BT = torch.ones_like(logprobs_BT)
     clipped_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     adv_B1 = advantages_B[:, None]
-    pg_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1)
+    pg_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1) * tis_BT
     per_token_BT = pg_BT
     w_B1 = weights_B[:, None]
     kl_BT = torch.zeros_like(logprobs_BT)
@@ -112,6 +134,8 @@ def grpo_loss(
             kl=(kl_BT * token_weight_BT).sum() / num_tokens,
             entropy=(ent_BT * token_weight_BT).sum() / num_tokens,
             ratio_mean=(ratio_BT * token_weight_BT).sum() / num_tokens,
+            logprob_diff=((old_BT - behaviour_logprobs_BT).abs() * token_weight_BT).sum() / num_tokens,
+            tis_weight=(tis_BT * token_weight_BT).sum() / num_tokens,
         )
     return LossTerms(loss=aggregate(per_token_BT, mask_BT, aggregation, normalizer), **stats)
 

@@ -28,6 +28,9 @@ class ClusterConfig:
     embedded local cluster; 'local' always starts one; anything else is passed to ``ray.init``."""
     num_cpus: int = 2
     """CPUs of the embedded local cluster (ignored when joining a cluster)."""
+    num_gpus: int | Literal["auto"] = "auto"
+    """GPUs of the embedded local cluster: auto counts the machine's (Ray's own detection), so the
+    GPU config runs on a bare GPU box; 0 hides them (ignored when joining a cluster)."""
     object_store_memory_mb: int = 1024
     """Object store of the embedded local cluster."""
     include_dashboard: bool = True
@@ -59,6 +62,8 @@ class TinyModelConfig:
     bpe_vocab_size: int = 1024
     """Vocabulary of the bpe tokenizer: the special tokens, the 256 byte tokens, then merges learned
     from the env's texts (fewer when the texts run out of pairs to merge)."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output projection, as Qwen3 up to 4B does."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +118,9 @@ class TrainerConfig:
     """Merge identical (sequence, policy version, advantage sign) samples into one weighted
     sample. The loss and gradient are unchanged; short-vocabulary envs repeat sequences a lot."""
     call_timeout_s: float = 600.0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """What forward and backward compute in. bfloat16 keeps float32 master weights, gradients and
+    gradient reduction (FSDP2 mixed precision), as on GPU; exported policies are written in it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +217,10 @@ class GRPOConfig:
     kl_coef: float = 0.0
     """k3 KL to the reference model; 0 does not start the reference actor."""
     entropy_coef: float = 0.01
+    tis_cap: float = 0.0
+    """Truncated importance sampling (see ``ray_forge.grpo.grpo_loss``): weight each token by
+    min(pi_trainer / pi_engine, tis_cap). 0: off. Use it (e.g. 2.0) when the engine samples in
+    bf16 and the trainer computes otherwise: the step metric ``logprob_diff`` shows the gap."""
     token_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
 
 
@@ -216,7 +228,7 @@ class GRPOConfig:
 class WeightSyncConfig:
     """How the trainer's weights reach the policy engines after every step."""
 
-    transport: Literal["auto", "shm", "object_store", "nccl", "torchstore"] = "auto"
+    transport: Literal["auto", "shm", "object_store", "collective", "nccl", "torchstore"] = "auto"
     """auto: shm when every policy shares trainer rank 0's node, else object_store. nccl pushes
     over NCCL through vLLM's weight-transfer API (GPU only, untested here); torchstore needs the
     torchstore package and Monarch."""
@@ -250,6 +262,12 @@ class RunConfig:
     """Write a checkpoint every N steps, and at the last (0: only at the last). ``--resume`` continues from it."""
     keep_checkpoints: int = 2
     """Checkpoints kept in the run directory; older ones are deleted once a newer one is complete."""
+    sync_check_every: int = 10
+    """After every N-th weight sync, compare policy-0 with the trainer on the env's probe prompts
+    (greedy agreement, largest logprob difference; see ``ray_forge/sync_check.py``). 0: never."""
+    sync_check_tolerance: float = 1e-4
+    """Largest logprob difference that is not an error: 1e-4 suits float32 on both sides; bf16
+    engines differ from a float32 trainer by about 1e-2."""
 
 
 @dataclass(frozen=True, kw_only=True)

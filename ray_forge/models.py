@@ -87,8 +87,7 @@ def make_tiny_qwen3(out_dir: str | Path, corpus: list[str], shape: TinyModelConf
         num_key_value_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         max_position_embeddings=shape.max_position_embeddings,
-        # Tied embeddings gave wrong tokens after an in-place vLLM weight reload.
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

@@ -43,3 +43,14 @@ def use_sum_reductions(model: torch.nn.Module, device_type: str) -> None:
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
+
+
+def require_dtype(dtype: str, device_type: str, who: str) -> None:
+    """bfloat16 on CPU needs the instructions for it (AVX512-BF16, or ARM's BF16); elsewhere vLLM's
+    CPU kernels refuse it or torch emulates it far slower. Refuse, saying what to set instead."""
+    if dtype != "bfloat16" or device_type != "cpu":
+        return
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    if not (caps.get("avx512_bf16") or caps.get("amx_bf16") or caps.get("bf16")):
+        raise ValueError(f"{who}=bfloat16 needs a GPU or a CPU with bfloat16 instructions (AVX512-BF16, AMX or "
+                         f"ARM BF16); this CPU ({caps.get('cpu_name', 'unknown')}) has none: set {who}=float32")

@@ -63,7 +63,10 @@ def qwen3_config(hf_dir: str | Path, device_type: str = "cpu"):
 
 
 def build_qwen3(hf_dir: str | Path, device_type: str = "cpu"):
-    """(model, state_dict_adapter) with the folder's weights loaded, unsharded, in float32."""
+    """(model, state_dict_adapter) with the folder's weights loaded, unsharded, in float32.
+
+    The whole model in every process that calls it: the reference model and checks use it;
+    trainer ranks use :func:`build_sharded_qwen3`."""
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
     config = qwen3_config(hf_dir, device_type)
@@ -76,8 +79,70 @@ def build_qwen3(hf_dir: str | Path, device_type: str = "cpu"):
     return model.to(device_type), adapter
 
 
-def shard_fsdp2(model: nn.Module, world_size: int, device_type: str) -> nn.Module:
-    """FSDP2 over all ranks through TorchTitan's ``parallelize_qwen3`` (fp32 params and reductions)."""
+def build_sharded_qwen3(hf_dir: str | Path, world_size: int, device_type: str = "cpu",
+                        param_dtype: str = "float32"):
+    """(model, adapter): built on the meta device, sharded with FSDP2, then each rank loads only
+    its own rows of each weight, one tensor at a time. No rank holds the whole model: the peak
+    beyond the shard is one full tensor (the embedding, for a large vocabulary)."""
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+
+    config = qwen3_config(hf_dir, device_type)
+    with torch.device("meta"):
+        model = config.build()
+    adapter = Qwen3StateDictAdapter(config, None)
+    model = shard_fsdp2(model, world_size, device_type, param_dtype)
+    model.to_empty(device=device_type)
+    with torch.no_grad():
+        # Computes the buffers (RoPE tables) and re-ties a tied head; the weights are overwritten next.
+        model.init_states(buffer_device=torch.device(device_type))
+    load_hf_shards(model, adapter, hf_dir)
+    return model, adapter
+
+
+def load_hf_shards(model: nn.Module, adapter, hf_dir: str | Path) -> None:
+    """Fill a sharded model from the folder's safetensors: each rank reads a tensor, keeps its
+    rows (no communication) and drops the rest before reading the next."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import distribute_tensor
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    where = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            where.update({key: (file, f.get_slice(key).get_shape()) for key in f.keys()})
+    source = titan_sources(adapter, {key: shape for key, (_, shape) in where.items()})
+    state = model.state_dict()
+    if missing := set(state) - set(source):
+        raise ValueError(f"{hf_dir} has no weights for {sorted(missing)[:5]}")
+    loaded = {}
+    for key, target in state.items():
+        file, _ = where[source[key]]
+        with safe_open(str(file), framework="pt") as f:
+            full = f.get_tensor(source[key]).to(torch.float32)
+        if isinstance(target, DTensor):
+            loaded[key] = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        else:
+            loaded[key] = full.to(target.device)
+        del full
+    # load_state_dict, not copy_: TorchTitan fuses wq/wk/wv into one parameter in its load hook.
+    model.load_state_dict(loaded, strict=True)
+
+
+def titan_sources(adapter, hf_shapes: dict[str, list[int]]) -> dict[str, str]:
+    """TorchTitan key -> the HF key it is read from, found by running the adapter on meta tensors:
+    a dense Qwen3's adapter only renames, and a tied head reads the embedding."""
+    hf = {key: torch.empty(shape, device="meta") for key, shape in hf_shapes.items()}
+    by_id = {id(t): key for key, t in hf.items()}
+    titan = adapter.from_hf(dict(hf))
+    if transformed := [key for key, t in titan.items() if id(t) not in by_id]:
+        raise ValueError(f"the adapter transforms {transformed[:3]} (not a plain rename): a dense Qwen3 was expected")
+    return {key: by_id[id(t)] for key, t in titan.items()}
+
+
+def shard_fsdp2(model: nn.Module, world_size: int, device_type: str, param_dtype: str = "float32") -> nn.Module:
+    """FSDP2 over all ranks through TorchTitan's ``parallelize_qwen3``. Master weights, gradients
+    and their reduction stay float32; ``param_dtype`` is what forward and backward compute in
+    (bfloat16: FSDP2 casts each gathered layer, as on GPU)."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.qwen3 import parallelize_qwen3
@@ -87,7 +152,7 @@ def shard_fsdp2(model: nn.Module, world_size: int, device_type: str) -> nn.Modul
     dims = ParallelDims.from_config(parallelism, world_size)
     model = parallelize_qwen3(
         model, parallel_dims=dims,
-        training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+        training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce="float32"),
         parallelism=parallelism, compile_config=CompileConfig(enable=False), ac_config=None,
         dump_folder="/tmp/ray_forge_titan",
     )

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from ray_forge.episode import Sample
+from ray_forge.grpo import TOKEN_STATS as _TOKEN_WEIGHTED
 from ray_forge.remote import call, get
 from ray_forge.weights import StoreSpec
-
-_TOKEN_WEIGHTED = ("clip_fraction", "kl", "entropy", "ratio_mean")
 
 
 class TrainerGroup:
@@ -37,6 +36,10 @@ class TrainerGroup:
     async def publish_weights(self, spec: StoreSpec, version: int) -> float:
         """All ranks gather the full weights; rank 0 puts them in the store. Returns rank 0's seconds."""
         return (await self._all("publish_weights", lambda rank: (spec, version)))[0]
+
+    async def score(self, pairs: list) -> list:
+        """Every rank scores the same (prompt, response) pairs; rank 0's answer (see ``TitanTrainer.score``)."""
+        return (await self._all("score", lambda rank: (pairs,)))[0]
 
     async def save_checkpoint(self, folder: str) -> float:
         """Every rank writes its shards into ``folder``; returns the slowest rank's seconds."""

@@ -89,3 +89,17 @@ def test_out_of_range_values_name_the_key(override, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(JobConfig, None, [override])
+
+
+def test_the_local_cluster_counts_gpus_unless_told():
+    assert load_config(JobConfig).cluster.num_gpus == "auto"
+    assert load_config(JobConfig, overrides=["cluster.num_gpus=2"]).cluster.num_gpus == 2
+    with pytest.raises(ConfigError, match="cluster.num_gpus"):
+        load_config(JobConfig, overrides=["cluster.num_gpus=many"])
+
+
+def test_precision_settings_are_typed():
+    config = load_config(JobConfig, overrides=["trainer.dtype=bfloat16", "grpo.tis_cap=2"])
+    assert config.trainer.dtype == "bfloat16" and config.grpo.tis_cap == 2.0
+    with pytest.raises(ConfigError, match="trainer.dtype"):
+        load_config(JobConfig, overrides=["trainer.dtype=float16"])

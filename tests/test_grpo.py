@@ -57,6 +57,40 @@ def test_loss_gradient_is_importance_weighted():
     assert lp.grad.item() == pytest.approx(-1.1 * 2.0, rel=1e-5)
 
 
+def test_logprob_diff_reports_the_engine_trainer_gap():
+    lp = torch.log(torch.tensor([[0.5], [0.4]]))
+    blp = torch.log(torch.tensor([[0.5], [0.5]]))
+    terms = grpo_loss(lp, blp, torch.tensor([1.0, 1.0]), torch.ones(2, 1), clip_eps=0.2)
+    assert terms.logprob_diff.item() == pytest.approx(abs(math.log(0.8)) / 2, rel=1e-5)
+    assert terms.tis_weight.item() == 1.0  # off by default
+
+
+def test_truncated_importance_weights_the_gradient_and_is_capped():
+    """With tis_cap, each token's policy gradient is -A * min(pi_trainer / pi_engine, cap): the
+    engine's numerics weight the update, the clip window is the trainer's own, the cap bounds it."""
+    trainer = torch.tensor([[0.5], [0.9], [0.6]])
+    engine = torch.tensor([[1.0], [0.3], [0.5]])  # trainer/engine: 0.5, 3.0 (capped to 2), 1.2
+    lp = torch.log(trainer).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    terms = grpo_loss(lp, torch.log(engine), adv, torch.ones(3, 1), clip_eps=0.2, tis_cap=2.0)
+    weights = torch.tensor([0.5, 2.0, 1.2])
+    terms.loss.backward()
+    assert torch.allclose(lp.grad.flatten(), -adv * weights / 3, atol=1e-6)
+    assert terms.loss.item() == pytest.approx(float(-(adv * weights).mean()), abs=1e-6)
+    assert terms.tis_weight.item() == pytest.approx(float(weights.mean()), rel=1e-6)
+    assert terms.ratio_mean.item() == pytest.approx(1.0) and terms.clip_fraction.item() == 0.0
+
+
+def test_truncated_importance_is_the_plain_loss_when_engine_and_trainer_agree():
+    lp = torch.log(torch.tensor([[0.3, 0.6]])).requires_grad_()
+    adv, mask = torch.tensor([1.5]), torch.ones(1, 2)
+    with_tis = grpo_loss(lp, lp.detach(), adv, mask, clip_eps=0.2, tis_cap=2.0)
+    plain = grpo_loss(lp, lp.detach(), adv, mask, clip_eps=0.2)
+    grad_tis, = torch.autograd.grad(with_tis.loss, lp)
+    grad_plain, = torch.autograd.grad(plain.loss, lp)
+    assert with_tis.loss.item() == pytest.approx(plain.loss.item()) and torch.equal(grad_tis, grad_plain)
+
+
 def test_token_aggregations():
     # seq 0 has 2 tokens, seq 1 has 1 token; on-policy (ratio 1), A = [1, 3].
     lp = torch.zeros(2, 2)

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from ray_forge.batch import TensorBatch, collate
 from ray_forge.checkpoint import TRAINER_DIR, rank_file
 from ray_forge.episode import Sample
-from ray_forge.grpo import grpo_loss, loss_normalizer, token_logprobs_and_entropy
+from ray_forge.grpo import TOKEN_STATS as STATS, grpo_loss, loss_normalizer, token_logprobs_and_entropy
 from ray_forge.grpo_config import GRPOConfig, TrainerConfig
-from ray_forge.titan_qwen3 import build_qwen3, full_hf_state_dict, shard_fsdp2
+from ray_forge.sync_check import Scored
+from ray_forge.titan_cpu import require_dtype
+from ray_forge.titan_qwen3 import build_sharded_qwen3, full_hf_state_dict
 from ray_forge.weights import StoreSpec, WeightStore
 
 log = logging.getLogger(__name__)
@@ -70,8 +72,8 @@ class TitanTrainer:
             torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
         dist.init_process_group("nccl" if self.device == "cuda" else "gloo", rank=self.rank,
                                 world_size=self.world_size)
-        model, self.adapter = build_qwen3(self.model_dir, self.device)
-        self.model = shard_fsdp2(model, self.world_size, self.device)
+        require_dtype(self.cfg.dtype, self.device, "trainer.dtype")
+        self.model, self.adapter = build_sharded_qwen3(self.model_dir, self.world_size, self.device, self.cfg.dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -88,7 +90,7 @@ class TitanTrainer:
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.version += 1
-            return dict(loss=0.0, clip_fraction=0.0, kl=0.0, entropy=0.0, ratio_mean=0.0, num_tokens=0.0,
+            return dict(loss=0.0, **dict.fromkeys(STATS, 0.0), num_tokens=0.0,
                         grad_norm=0.0, lr=lr, version=self.version, skipped_nonfinite=0.0)
         full = collate(samples)
         normalizer = loss_normalizer(full.mask_BT, full.weights_B, self.grpo.token_aggregation)
@@ -96,7 +98,7 @@ class TitanTrainer:
         mine = collate([samples[i] for i in rows])
         if len(rows) < self._rows_per_rank(len(samples)):  # equal work on every rank: FSDP collectives
             mine = _with_padding_row(mine)
-        sums = dict(loss=0.0, clip_fraction=0.0, kl=0.0, entropy=0.0, ratio_mean=0.0)
+        sums = dict(loss=0.0, **dict.fromkeys(STATS, 0.0))
         num_tokens = float((mine.mask_BT * mine.weights_B[:, None]).sum())
         for start in range(0, mine.inputs_BT.shape[0], self.cfg.micro_batch_size):
             micro = _slice(mine, start, start + self.cfg.micro_batch_size).to(self.device)
@@ -104,7 +106,7 @@ class TitanTrainer:
             terms.loss.backward()
             micro_tokens = float((micro.mask_BT * micro.weights_B[:, None]).sum())
             sums["loss"] += terms.loss.item()
-            for key in ("clip_fraction", "kl", "entropy", "ratio_mean"):
+            for key in STATS:
                 sums[key] += getattr(terms, key).item() * micro_tokens
         from torchtitan.distributed import utils as dist_utils
 
@@ -136,15 +138,19 @@ class TitanTrainer:
             ref_logprobs_BT=micro.ref_logprobs_BT, kl_coef=self.grpo.kl_coef,
             entropy_BT=entropy_BT, entropy_coef=self.grpo.entropy_coef,
             aggregation=self.grpo.token_aggregation, normalizer=normalizer.to(self.device),
+            tis_cap=self.grpo.tis_cap,
         )
 
     def export_hf(self, out_dir: str | None) -> str | None:
-        """Gather full weights in HF naming; rank 0 writes ``model.safetensors`` into ``out_dir``."""
+        """Gather full weights in HF naming; rank 0 writes ``model.safetensors`` into ``out_dir``,
+        in the training dtype (bf16 training exports bf16: half the bytes, what the engines load)."""
         state = full_hf_state_dict(self.model, self.adapter)
         if self.rank != 0 or out_dir is None:
             return None
         from safetensors.torch import save_file
 
+        dtype = getattr(torch, self.cfg.dtype)
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         save_file(state, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
         return out_dir
@@ -194,6 +200,35 @@ class TitanTrainer:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def score(self, pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[Scored]:
+        """For each (prompt, response): the logprob of every response token under the
+        distribution the engine samples from (allowed tokens, temperature), and the argmax
+        token at the first response position. Every rank runs the same forwards (FSDP)."""
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(pairs), self.cfg.micro_batch_size):
+                out += self._score_chunk(pairs[start:start + self.cfg.micro_batch_size])
+        return out
+
+    def _score_chunk(self, pairs) -> list[Scored]:
+        sequences = [list(p) + list(r) for p, r in pairs]
+        width = max(len(s) for s in sequences) - 1
+        inputs = torch.zeros(len(pairs), width, dtype=torch.long)
+        for row, seq in enumerate(sequences):  # right padding: a causal model never looks ahead
+            inputs[row, :len(seq) - 1] = torch.tensor(seq[:-1])
+        logits_BTV = self.model(inputs.to(self.device)).float().cpu()
+        scored = []
+        for row, (prompt, response) in enumerate(pairs):
+            positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
+            logits_TV = logits_BTV[row, positions]
+            logprobs, _ = token_logprobs_and_entropy(logits_TV[None], torch.tensor([response]), self.allowed,
+                                                      self.temperature)
+            first = logits_TV[0]
+            argmax = (int(self.allowed[first[self.allowed].argmax()]) if self.allowed is not None
+                      else int(first.argmax()))
+            scored.append(Scored(tuple(logprobs[0].tolist()), argmax))
+        return scored
 
     def logits(self, token_ids: list[list[int]]) -> torch.Tensor:
         """Full-vocabulary logits of equal-length rows (for checks against the policy engine)."""

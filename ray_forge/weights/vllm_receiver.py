@@ -26,4 +26,18 @@ class WeightReceiverExtension:
                 yield pair
 
         self.reload_weights(weights_iterator=counted())  # vLLM's Worker.reload_weights
+        _refresh_tied_head(self.model_runner.model)
         return loaded
+
+
+def _refresh_tied_head(model) -> None:
+    """A tied output head shares the embedding's weight, but the CPU backend multiplies by a
+    packed copy of it (``cpu_linear``) made when the head was processed after loading. A
+    reload processes only the layers it loaded, and a tied checkpoint has no ``lm_head``:
+    without this the engine kept sampling from the base model's head (wrong tokens after the
+    first update). Redo the head's processing from the embedding the reload just wrote."""
+    head = getattr(model, "lm_head", None)
+    config = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if head is None or not config or not hasattr(head, "quant_method"):
+        return
+    head.quant_method.process_weights_after_loading(head)

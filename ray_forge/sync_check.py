@@ -1,0 +1,55 @@
+"""After a weight sync, does the engine compute what the trainer computes?
+
+A wrong reload (a tied head left stale, a tensor-parallel slice misplaced, a dtype lost on the
+way) does not crash: the engine keeps sampling, from the wrong distribution, and the importance
+ratio silently absorbs it. So the driver asks policy-0 and the trainer the same questions:
+
+- greedy agreement: the engine's greedy first token equals the trainer's argmax of the same
+  distribution (over the allowed action tokens, at the sampling temperature);
+- logprob difference: the engine's reported logprob of each token it sampled against the
+  trainer's logprob of that token (the quantity the importance ratio is built from).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ray_forge.episode import Turn
+from ray_forge.remote import call
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The trainer's view of one (prompt, response): each response token's logprob, and the
+    argmax token at the first response position."""
+
+    logprobs: tuple[float, ...]
+    argmax: int
+
+
+def compare(greedy: list[Turn], greedy_scored: list[Scored], sampled: list[Turn],
+            sampled_scored: list[Scored]) -> dict[str, float]:
+    """``sync_greedy_agreement`` (share of prompts) and ``sync_logprob_max_diff`` (over every sampled token)."""
+    agree = sum(turn.response_ids[:1] == (score.argmax,) for turn, score in zip(greedy, greedy_scored, strict=True))
+    diffs = [abs(engine - trainer)
+             for turn, score in zip(sampled, sampled_scored, strict=True)
+             for engine, trainer in zip(turn.logprobs, score.logprobs, strict=True)]
+    return dict(sync_greedy_agreement=agree / max(1, len(greedy)), sync_logprob_max_diff=max(diffs, default=0.0))
+
+
+async def check(policy, trainer, prompts: list[str], *, seed: int, tolerance: float, timeout_s: float,
+                name: str = "policy-0") -> dict[str, float]:
+    """Ask ``policy`` (an engine actor) and ``trainer`` (a TrainerGroup) about ``prompts``; log an
+    error naming the worst prompt when they disagree beyond ``tolerance``."""
+    greedy = await call(policy.generate.remote(prompts, True), timeout_s=timeout_s, what=f"{name}.generate")
+    sampled = await call(policy.generate.remote(prompts, False, seed), timeout_s=timeout_s, what=f"{name}.generate")
+    scored = await trainer.score([(t.prompt_ids, t.response_ids) for t in greedy + sampled])
+    row = compare(greedy, scored[:len(greedy)], sampled, scored[len(greedy):])
+    if row["sync_greedy_agreement"] < 1.0 or row["sync_logprob_max_diff"] > tolerance:
+        log.error("%s disagrees with the trainer after the sync: greedy agreement %.4f, largest logprob "
+                  "difference %.3g (tolerance %.3g); the engine is not sampling from the trained policy",
+                  name, row["sync_greedy_agreement"], row["sync_logprob_max_diff"], tolerance)
+    return row
