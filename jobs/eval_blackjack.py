@@ -3,8 +3,15 @@
     python jobs/eval_blackjack.py --policy runs/<run>/final_policy [--mc-games 100000]
 
 Prints a JSON object as its last line: exact_return, mc_return, agreement (with the optimal
-table, weighted by how often the optimal policy reaches each state). References for these
-rules: optimal -0.04656, best dealer-blind -0.0640, always stick -0.18637, random -0.39590.
+table, weighted by how often the optimal policy reaches each state), invalid_answers and
+invalid_rate. Answers are read as the env reads them (their first word), and an unparseable
+one ends the game with the invalid-action penalty: the run's ``env.invalid_action_penalty``
+when the policy folder sits in a run directory, else ``--invalid-action-penalty``. References
+for these rules: optimal -0.04656, best dealer-blind -0.0640, always stick -0.18637, random -0.39590.
+
+By default the engine may only answer HIT or STICK: with a tokenizer that has each as one
+token, by restricting the one generated token; otherwise (Qwen's "STICK" is several tokens) by
+vLLM's structured outputs choosing among the whole words.
 """
 
 from __future__ import annotations
@@ -17,10 +24,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from envs.blackjack import ACTION_WORDS, evaluate  # noqa: E402
+from envs.blackjack import ACTION_WORDS, DEFAULT_PENALTY, evaluate  # noqa: E402
 from ray_forge.actors.policy import VLLMPolicy  # noqa: E402
-from ray_forge.grpo_config import PolicyConfig  # noqa: E402
+from ray_forge.config import load_config  # noqa: E402
+from ray_forge.grpo_config import JobConfig, PolicyConfig  # noqa: E402
 from ray_forge.models import check_model_dir  # noqa: E402
+from ray_forge.run_dir import CONFIG_FILE  # noqa: E402
+
+log = logging.getLogger("eval_blackjack")
+
+LISTED_KEYS = ("decisions", "invalid_states")
+"""Per-state results: in the returned dict, not on the printed line."""
+
+
+def run_penalty(model_dir: Path) -> float | None:
+    """``env.invalid_action_penalty`` of the run whose ``final_policy``/``best_policy`` this is; None if none."""
+    config_file = model_dir.parent / CONFIG_FILE
+    if not config_file.is_file():
+        return None
+    return load_config(JobConfig, config_file).env.invalid_action_penalty
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -28,19 +50,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--policy", required=True, help="local HF folder (e.g. runs/<run>/final_policy)")
     parser.add_argument("--mc-games", type=int, default=100_000, help="Monte-Carlo cross-check games")
     parser.add_argument("--unconstrained", action="store_true",
-                        help="let the model emit any token (default: only the action words' tokens)")
+                        help="let the model emit any text (default: only the action words)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens per answer with --unconstrained")
+    parser.add_argument("--invalid-action-penalty", type=float, default=None,
+                        help=f"reward of an unparseable answer (default: the run's, else {DEFAULT_PENALTY})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model_dir = str(check_model_dir(args.policy))
-    policy = VLLMPolicy(model_dir=model_dir, config=PolicyConfig(constrain_to_actions=not args.unconstrained),
-                        action_words=ACTION_WORDS)
+    model_dir = check_model_dir(args.policy)
+    penalty = args.invalid_action_penalty
+    if penalty is None:
+        penalty = run_penalty(model_dir)
+        penalty = DEFAULT_PENALTY if penalty is None else penalty
+    log.info("an unparseable answer is worth %g", penalty)
+    # Constrained answers are whole action words; max_tokens=1 is the training default for one-token words.
+    config = (PolicyConfig(constrain_to_actions=False, max_tokens=args.max_tokens) if args.unconstrained
+              else PolicyConfig())
+    policy = VLLMPolicy(model_dir=str(model_dir), config=config, action_words=ACTION_WORDS)
     try:
         result = evaluate(lambda prompts: [c.text for c in policy.generate(prompts, greedy=True)],
-                          mc_games=args.mc_games)
+                          mc_games=args.mc_games, invalid_action_penalty=penalty)
     finally:
         policy.shutdown()
-    result["policy"] = model_dir
-    print(json.dumps({k: v for k, v in result.items() if k != "decisions"}))
+    result["policy"] = str(model_dir)
+    print(json.dumps({k: v for k, v in result.items() if k not in LISTED_KEYS}))
     return result
 
 

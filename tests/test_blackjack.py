@@ -12,11 +12,23 @@ def test_render_shows_the_cards_that_matter():
     assert "hard" in render_state(State(9, 10, False)) and "10" in render_state(State(9, 10, False))
 
 
-@pytest.mark.parametrize("text, action", [("HIT", 1), ("stick", 0), (" I will Stand.", 0), ("hit me", 1),
-                                          ("STICK because HIT is risky", 0), ("", None), ("hitting", None),
-                                          ("<unk> <pad>", None)])
+@pytest.mark.parametrize("text, action", [
+    ("HIT", 1), ("stick", 0), (" Stand.", 0), ('"Hit!"', 1), ("hit me", 1), ("\n STICK, please", 0),
+    ("\u201cSTICK\u201d", 0), ("STICK because HIT is risky", 0),
+    # Only the answer's first word counts: echoes and hedges are invalid, not their first action word.
+    ("HIT/STICK", None), (" I will Stand.", None), ("I would not hit, STICK", None),
+    (render_state(State(14, 10, False)), None), ("", None), ("hitting", None), ("<unk> <pad>", None)])
 def test_parse_action(text, action):
     assert parse_action(text) == action
+
+
+def test_env_reads_answers_as_parse_action_does():
+    env = BlackjackTextEnv(invalid_action_penalty=-2.0)
+    env.reset(seed=0)
+    hedge = env.step("I would not hit, STICK")
+    assert hedge.done and hedge.reward == -2.0 and hedge.info["error"] == "invalid action"
+    env.reset(seed=0)
+    assert env.step("Stick.").info == {"action": 0}
 
 
 def test_same_seed_deals_the_same_cards():
@@ -92,3 +104,83 @@ def test_exact_value_agrees_with_monte_carlo():
                 break
     mean, sem = np.mean(rewards), np.std(rewards) / np.sqrt(len(rewards))
     assert abs(mean - evaluate_table(opt)) < 4 * sem
+
+
+def _answers_of(table, invalid=frozenset()):
+    """A decide function that answers by ``table``, and "maybe" in the ``invalid`` states."""
+    by_prompt = {render_state(s): s for s in all_states()}
+
+    def decide(prompts):
+        return ["maybe" if (s := by_prompt[p]) in invalid else "HIT" if table[s] else "STICK" for p in prompts]
+    return decide
+
+
+def test_echoing_model_is_all_invalid_and_worth_the_penalty():
+    """Echoing the prompt ("... HIT or STICK?") used to play HIT in every state."""
+    from envs.blackjack import evaluate
+
+    result = evaluate(lambda prompts: list(prompts), mc_games=200, invalid_action_penalty=-1.5)
+    assert result["invalid_answers"] == 360 and result["invalid_rate"] == 1.0
+    assert result["invalid_action_penalty"] == -1.5
+    # Every first decision is invalid, so every game ends with the penalty at once.
+    assert result["exact_return"] == pytest.approx(-1.5, abs=1e-12)
+    assert (result["mc_return"], result["mc_stderr"]) == (-1.5, 0.0)
+    assert result["hit_states"] == 0 and result["agreement"] == 0.0
+    assert len(result["invalid_states"]) == 360 and set(result["decisions"].values()) == {0}
+    assert result["exact_return"] != pytest.approx(evaluate_table({s: 1.0 for s in all_states()}))
+
+
+def test_unparseable_model_is_worth_the_default_penalty():
+    from envs.blackjack import evaluate
+
+    result = evaluate(lambda prompts: ["maybe"] * len(prompts))
+    assert result["invalid_rate"] == 1.0 and result["exact_return"] == pytest.approx(-1.0, abs=1e-12)
+    assert result["exact_return"] != pytest.approx(evaluate_table({}))  # not valued as STICK
+
+
+def test_one_invalid_state_costs_its_visit_probability_times_the_lost_value():
+    """Only the value at the invalid state changes, and the chance of reaching it does not
+    (that depends on earlier decisions only), so the return moves by P(reach) x (penalty - V)."""
+    from envs.blackjack import evaluate
+    from envs.blackjack.exact import state_values
+
+    opt, state, penalty = optimal_table(), State(16, 10, False), -2.0
+    reach, value = visit_probabilities(opt)[state], state_values(lambda s: opt[s])[state]
+    assert reach > 0.01 and opt[state] == 1.0
+    result = evaluate(_answers_of(opt, {state}), invalid_action_penalty=penalty)
+    expected = evaluate_table(opt) + reach * (penalty - value)
+    assert result["exact_return"] == pytest.approx(expected, abs=1e-12)
+    assert result["invalid_states"] == ["16/10/hard"] and result["invalid_rate"] == 1 / 360
+    # An invalid answer never agrees with the optimal one, weighted by how often optimal play reaches it.
+    assert result["agreement"] == pytest.approx(1 - reach / sum(visit_probabilities(opt).values()), abs=1e-12)
+
+
+def test_a_game_ends_at_an_invalid_state():
+    always_hit = {s: 1.0 for s in all_states()}
+    assert visit_probabilities(always_hit, invalid=all_states()) == {s: initial_states().get(s, 0.0)
+                                                                      for s in all_states()}
+    assert agreement(optimal_table(), optimal_table(), invalid=all_states()) == 0.0
+
+
+def test_monte_carlo_agrees_with_exact_when_some_answers_are_invalid():
+    """Invalid answers are played through the real env, which ends the game with its penalty."""
+    from envs.blackjack import monte_carlo_return
+
+    opt, penalty = optimal_table(), -2.0
+    invalid = {s for s in all_states() if not s.usable_ace and 12 <= s.player_sum <= 16 and s.dealer_card >= 7}
+    exact = evaluate_table(opt, invalid, penalty)
+    mean, sem = monte_carlo_return(opt, 20000, invalid=invalid, penalty=penalty)
+    assert abs(mean - exact) < 4 * sem
+    # The check can fail: valuing those states as their table action is far off.
+    assert abs(mean - evaluate_table(opt)) > 10 * sem
+
+
+def test_the_decision_table_picture_marks_unreadable_answers(tmp_path):
+    from envs.blackjack.plots import decision_table_png
+    from envs.blackjack.policy_eval import evaluate
+
+    result = evaluate(lambda prompts: ["maybe" if "Dealer shows 10" in p else "STICK" for p in prompts])
+    assert result["invalid_answers"] == 36  # 18 sums x hard/soft against a dealer's 10
+    out = decision_table_png(result["decisions"], tmp_path / "table.png", invalid_states=result["invalid_states"],
+                             penalty=result["invalid_action_penalty"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000

@@ -1,11 +1,12 @@
 """BlackJack (gymnasium Blackjack-v1, sab=False, natural=False) as a multi-turn text env."""
 
-from envs.blackjack.env import ACTION_WORDS, BlackjackTextEnv, State, parse_action, render_state
+from envs.blackjack.env import ACTION_WORDS, DEFAULT_PENALTY, BlackjackTextEnv, State, parse_action, render_state
 from envs.blackjack.exact import DecisionTable, evaluate_table, optimal_table
 from envs.blackjack.policy_eval import decision_table, evaluate, monte_carlo_return
 
 __all__ = [
     "ACTION_WORDS",
+    "DEFAULT_PENALTY",
     "BlackjackTextEnv",
     "DecisionTable",
     "State",

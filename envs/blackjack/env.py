@@ -7,7 +7,7 @@ as 11 (soft), and the dealer's face-up card.
 
 from __future__ import annotations
 
-import re
+import string
 from typing import NamedTuple
 
 import gymnasium as gym
@@ -15,7 +15,10 @@ import gymnasium as gym
 from ray_forge.env import StepResult
 
 ACTION_WORDS = ("HIT", "STICK")
-_ACTION_RE = re.compile(r"\b(hit|stick|stand)\b", re.IGNORECASE)
+DEFAULT_PENALTY = -1.0
+"""Reward of a game ended by an unparseable answer, unless the run's ``env.invalid_action_penalty`` says otherwise."""
+_ACTIONS = {"hit": 1, "stick": 0, "stand": 0}
+_SURROUNDING = string.punctuation + "\u201c\u201d\u2018\u2019\u00ab\u00bb"  # ASCII and typographic quotes
 
 
 class State(NamedTuple):
@@ -32,11 +35,16 @@ def render_state(state: State) -> str:
 
 
 def parse_action(text: str) -> int | None:
-    """1 = hit, 0 = stick (gymnasium's encoding); None when the text names neither."""
-    match = _ACTION_RE.search(text)
-    if match is None:
+    """1 = hit, 0 = stick (gymnasium's encoding) when the answer's first word is HIT, STICK or
+    STAND (any case, surrounding punctuation ignored); None otherwise.
+
+    Only the first word counts: an answer that echoes the prompt ("Your sum is 14 ... HIT or
+    STICK?") or hedges ("I would not hit, STICK") is invalid, not whichever word it names first.
+    Training rewards (``BlackjackTextEnv.step``) and evaluation both read answers here."""
+    words = text.split(maxsplit=1)
+    if not words:
         return None
-    return 1 if match.group(1).lower() == "hit" else 0
+    return _ACTIONS.get(words[0].strip(_SURROUNDING).lower())
 
 
 def outcome_text(reward: float) -> str:
@@ -48,7 +56,7 @@ class BlackjackTextEnv:
 
     action_words = ACTION_WORDS
 
-    def __init__(self, invalid_action_penalty: float = -1.0) -> None:
+    def __init__(self, invalid_action_penalty: float = DEFAULT_PENALTY) -> None:
         self._env = gym.make("Blackjack-v1", sab=False, natural=False)
         self._penalty = invalid_action_penalty
         self.state: State | None = None

@@ -4,21 +4,25 @@ Rules of gymnasium Blackjack-v1 with sab=False, natural=False: an infinite deck 
 cards 4/13, others 1/13 each), the dealer draws to 17 and stands on soft 17, a natural counts
 as an ordinary 21. A state is (player sum, dealer card, usable ace), which is all that matters
 for the future: a hard hand's ace can never become usable again.
+
+A policy whose answer in some states is unparseable passes those states as ``invalid``: there
+the env ends the game with its invalid-action penalty, whatever the table says.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
-from envs.blackjack.env import State
+from envs.blackjack.env import DEFAULT_PENALTY, State
 
 CARD_PROBS = {c: (4 / 13 if c == 10 else 1 / 13) for c in range(1, 11)}
 PLAYER_SUMS = range(4, 22)
 DEALER_CARDS = range(1, 11)
 
 DecisionTable = Mapping[State, float]
-"""Probability of HIT in each state (0/1 for a deterministic table)."""
+"""Probability of HIT in each state (0/1 for a deterministic table). States whose answer was
+invalid are given apart (``invalid``); their entry here is ignored."""
 
 
 def all_states() -> list[State]:
@@ -83,19 +87,26 @@ def _order(state: State) -> int:
     return state.player_sum - 10 if state.usable_ace else state.player_sum
 
 
-def state_values(p_hit: Callable[[State], float]) -> dict[State, float]:
-    """Expected return from each state under a (possibly stochastic) policy."""
+def state_values(p_hit: Callable[[State], float], invalid: Collection[State] = (),
+                 penalty: float = DEFAULT_PENALTY) -> dict[State, float]:
+    """Expected return from each state under a (possibly stochastic) policy; a game that
+    reaches an ``invalid`` state ends there with ``penalty``, as the env ends it."""
+    invalid = frozenset(invalid)
     values: dict[State, float] = {}
     for state in sorted(all_states(), key=_order, reverse=True):
+        if state in invalid:
+            values[state] = penalty
+            continue
         h = p_hit(state)
         hit = sum(p * (-1.0 if nxt is None else values[nxt]) for p, nxt in hit_successors(state)) if h else 0.0
         values[state] = h * hit + (1 - h) * stick_value(state.player_sum, state.dealer_card)
     return values
 
 
-def evaluate_table(table: DecisionTable) -> float:
-    """Exact expected return per game of a decision table (missing states stick)."""
-    values = state_values(lambda s: table.get(s, 0.0))
+def evaluate_table(table: DecisionTable, invalid: Collection[State] = (), penalty: float = DEFAULT_PENALTY) -> float:
+    """Exact expected return per game of a decision table (missing states stick; ``invalid``
+    states end the game with ``penalty``)."""
+    values = state_values(lambda s: table.get(s, 0.0), invalid, penalty)
     return sum(p * values[s] for s, p in initial_states().items())
 
 
@@ -111,13 +122,14 @@ def optimal_table() -> dict[State, float]:
     return table
 
 
-def visit_probabilities(table: DecisionTable) -> dict[State, float]:
-    """Probability that a game reaches each state under ``table``."""
+def visit_probabilities(table: DecisionTable, invalid: Collection[State] = ()) -> dict[State, float]:
+    """Probability that a game reaches each state under ``table`` (a game ends at an ``invalid`` one)."""
+    invalid = frozenset(invalid)
     visits = dict.fromkeys(all_states(), 0.0)
     for state, p in initial_states().items():
         visits[state] += p
     for state in sorted(all_states(), key=_order):
-        h = table.get(state, 0.0)
+        h = 0.0 if state in invalid else table.get(state, 0.0)
         if h and visits[state]:
             for p, nxt in hit_successors(state):
                 if nxt is not None:
@@ -125,8 +137,11 @@ def visit_probabilities(table: DecisionTable) -> dict[State, float]:
     return visits
 
 
-def agreement(table: DecisionTable, reference: DecisionTable) -> float:
-    """Share of decisions that match ``reference``, weighted by how often ``reference`` reaches each state."""
+def agreement(table: DecisionTable, reference: DecisionTable, invalid: Collection[State] = ()) -> float:
+    """Share of decisions that match ``reference``, weighted by how often ``reference`` reaches
+    each state; an ``invalid`` decision of ``table`` never matches."""
+    invalid = frozenset(invalid)
     visits = visit_probabilities(reference)
-    same = sum(w for s, w in visits.items() if (table.get(s, 0.0) >= 0.5) == (reference.get(s, 0.0) >= 0.5))
+    same = sum(w for s, w in visits.items()
+               if s not in invalid and (table.get(s, 0.0) >= 0.5) == (reference.get(s, 0.0) >= 0.5))
     return same / sum(visits.values())
