@@ -8,7 +8,8 @@ import dataclasses
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from envs.blackjack import BlackjackTextEnv, evaluate
+from envs.blackjack import BlackjackTextEnv, evaluate, render_state
+from envs.blackjack.exact import all_states
 from envs.blackjack.plots import run_pictures
 from envs.code.env import CodeEnv
 from envs.code.tasks import BUNDLED, load_tasks
@@ -28,12 +29,15 @@ def rollout_settings(config: JobConfig) -> RolloutSettings:
 
 
 async def blackjack_eval(config: JobConfig, actors: Actors, mc_games: int) -> tuple[dict, dict]:
-    """Exact return (and optionally Monte Carlo) of policy-0's greedy decision table."""
+    """Exact return (and optionally Monte Carlo) of policy-0's greedy decision table; an
+    unparseable answer is worth the run's ``env.invalid_action_penalty``, as in training."""
     def decide(prompts: list[str]) -> list[str]:
         return [c.text for c in get(actors.policies[0].generate.remote(prompts, True),
                                     timeout_s=config.policy.call_timeout_s, what="policy-0.generate")]
-    result = await asyncio.get_running_loop().run_in_executor(None, lambda: evaluate(decide, mc_games=mc_games))
-    return result, dict(eval_return=result["exact_return"], eval_agreement=result["agreement"])
+    result = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: evaluate(decide, mc_games=mc_games, invalid_action_penalty=config.env.invalid_action_penalty))
+    return result, dict(eval_return=result["exact_return"], eval_agreement=result["agreement"],
+                        eval_invalid_rate=result["invalid_rate"])
 
 
 async def code_eval(config: JobConfig, actors: Actors, mc_games: int) -> tuple[dict, dict]:
@@ -43,14 +47,19 @@ async def code_eval(config: JobConfig, actors: Actors, mc_games: int) -> tuple[d
     return result, {f"eval_{name}": value for name, value in result.items() if isinstance(value, float)}
 
 
+def code_prompts(config: JobConfig) -> list[str]:
+    """Every task's prompt, as the code env shows it."""
+    tasks = load_tasks(config.env.code.tasks or BUNDLED)
+    env = CodeEnv(tasks, executor=None)
+    return [env.reset(i) for i in range(len(tasks))]
+
+
 def code_corpus(config: JobConfig) -> list[str]:
     """The prompts exactly as the code env shows them (showing one runs nothing), and the tests
     written as Python (``gcd(12, 18) == 6``)."""
-    tasks = load_tasks(config.env.code.tasks or BUNDLED)
-    env = CodeEnv(tasks, executor=None)
     tests = [f"{task.entry_point}({', '.join(map(repr, call.args))}) == {call.expected!r}"
-             for task in tasks for call in task.tests]
-    return [env.reset(i) for i in range(len(tasks))] + tests
+             for task in load_tasks(config.env.code.tasks or BUNDLED) for call in task.tests]
+    return code_prompts(config) + tests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +73,15 @@ class EnvHooks:
     the full result, and its metrics-row fields (``eval_return`` is what ``keep_best`` maximises)."""
     pictures: Callable[[Path, list[dict], dict], list[Path]]
     """PNGs written at the end of a run, from its metrics rows and final evaluation."""
+    probe_prompts: Callable[[JobConfig], list[str]]
+    """Prompts on which policy-0 and the trainer are compared after a sync (``run.sync_check_every``)."""
 
 
 HOOKS = {
     "blackjack": EnvHooks(corpus=lambda config: BlackjackTextEnv.corpus(), evaluate=blackjack_eval,
-                          pictures=lambda run_dir, rows, final: run_pictures(run_dir, rows, final["decisions"])),
-    "code": EnvHooks(corpus=code_corpus, evaluate=code_eval,
+                          pictures=run_pictures,
+                          probe_prompts=lambda config: [render_state(s) for s in all_states()]),
+    "code": EnvHooks(corpus=code_corpus, evaluate=code_eval, probe_prompts=code_prompts,
                      pictures=lambda run_dir, rows, final: [
                          learning_curve_png(rows, run_dir / "learning_curve.png", "coding and math tasks")]),
 }

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # env_hooks, beside this file
 
 from env_hooks import EnvHooks, env_hooks, rollout_settings  # noqa: E402
-from ray_forge import checkpoint, cluster  # noqa: E402
+from ray_forge import checkpoint, cluster, sync_check  # noqa: E402
 from ray_forge.actors.buffer import COUNTERS  # noqa: E402
 from ray_forge.batch import groups_to_samples  # noqa: E402
 from ray_forge.chaos import chaos_monkey  # noqa: E402
@@ -145,6 +145,24 @@ async def push_weights(actors: Actors, fleet: Fleet, version: int) -> dict[str, 
     return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s, "weight_load_s": load_s}
 
 
+async def check_sync(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet, step: int) -> dict:
+    """policy-0 against the trainer on the env's probe prompts, right after the sync of ``step``;
+    nothing (and a warning) when policy-0 is down: it is compared again at the next check."""
+    if fleet.down("policy-0"):
+        log.warning("step %d: policy-0 is restarting; the sync check waits for the next one", step)
+        return {}
+    try:
+        return await sync_check.check(actors.policies[0], actors.trainer, hooks.probe_prompts(config),
+                                      seed=config.run.seed + step, tolerance=config.run.sync_check_tolerance,
+                                      timeout_s=config.policy.call_timeout_s)
+    except RemoteCallError as err:
+        if not err.died:
+            raise
+        log.warning("%s; the sync check waits for the next one", err)
+        fleet.recover(err.actor)
+        return {}
+
+
 async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet, mc_games: int) -> tuple[dict, dict]:
     """The env's greedy evaluation of policy-0; if an actor it uses dies, again once it is back."""
     for attempt in range(3):
@@ -219,6 +237,8 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
             policy_lag = state.trainer_version - batch_stats["sample_policy_version"]
             state.trainer_version = step
             sync = await push_weights(actors, fleet, step)
+            if config.run.sync_check_every and step % config.run.sync_check_every == 0:
+                sync.update(await check_sync(config, hooks, actors, fleet, step))
             rollout_s = max(state.rollout_seconds, 1e-9)
             buffer_stats = await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats")
             row = dict(**batch_stats, **train_stats, **sync, policy_lag=policy_lag,
@@ -230,7 +250,7 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
                 progress.evals.append(dict(eval_row, step=step))
                 if config.run.keep_best and eval_row["eval_return"] > progress.best.get("eval_return", float("-inf")):
                     progress.best = dict(eval_row, step=step)
-                    await save_policy(actors, actors.model_dir, run_dir / "best_policy", step)
+                    await save_policy(actors, actors.model_dir, run_dir / "best_policy", step, config.trainer.dtype)
             progress.step, progress.row = step, row
             if step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 progress.counts = {k: row[k] for k in ("actor_restarts", "replayed_games", "chaos_kills")}
@@ -248,16 +268,20 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
             log.debug("rollout loop ended: %s", err)
 
 
-async def save_policy(actors: Actors, model_dir: str, out_dir: Path, step: int) -> None:
+async def save_policy(actors: Actors, model_dir: str, out_dir: Path, step: int, dtype: str) -> None:
     """The current trainer weights as a self-contained HF folder (weights + config + tokenizer
     of the base model in ``model_dir``), made whole under another name, then renamed into place;
-    ``ray_forge.json`` says which step's weights it holds."""
+    ``ray_forge.json`` says which step's weights it holds. The weights are in the training
+    ``dtype``, and config.json says so (engines loading it with dtype auto use that)."""
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     await actors.trainer.export_hf(str(partial))
     for item in Path(model_dir).iterdir():
         if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
             shutil.copy2(item, partial / item.name)
+    hf_config = json.loads((partial / "config.json").read_text())
+    hf_config.update({k: dtype for k in ("torch_dtype", "dtype") if k in hf_config} or {"torch_dtype": dtype})
+    (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (partial / SAVED_STEP).write_text(json.dumps({"step": step}))
     shutil.rmtree(out_dir, ignore_errors=True)
     partial.rename(out_dir)
@@ -332,7 +356,7 @@ async def run_job(run: Run, hooks: EnvHooks, model_dir: str, progress: Progress,
         await fleet.start()
         first_batch = await resume(actors, fleet, run, progress.step, buffer_state) if buffer_state is not None else 0
         await train(config, hooks, actors, fleet, run_dir, progress, first_batch, wall_offset_s)
-        await save_policy(actors, actors.model_dir, run_dir / "final_policy", config.run.steps)
+        await save_policy(actors, actors.model_dir, run_dir / "final_policy", config.run.steps, config.trainer.dtype)
         final, _ = await evaluate(config, hooks, actors, fleet, config.run.eval_mc_games)
         await fleet.settle()
         versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
@@ -371,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary = asyncio.run(run_job(run, hooks, model_dir, progress, buffer_state, wall))
     except RUN_FAULTS as err:
         raise RunStopped(f"{err}; resume with: python jobs/grpo.py --resume {run.run_dir}") from err
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("decisions", "tasks")}))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("decisions", "invalid_states", "tasks")}))
     return summary
 
 

@@ -129,6 +129,10 @@ class Fleet:
         """(times Ray restarted ``name``, whether it is alive now), from the GCS; None if unknown."""
         return _actor_state(self.members[name])
 
+    def down(self, name: str) -> bool:
+        """Whether ``name`` is restarting or gone (it may not hold the fleet's version)."""
+        return name in self._recovering or name in self.lost
+
     async def ready(self, name: str) -> None:
         """Return once ``name`` is live and holds the fleet's version (for evaluations)."""
         if name in self._recovering:

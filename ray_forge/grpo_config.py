@@ -94,6 +94,9 @@ class PolicyConfig:
     dtype: str = "float32"
     """Engine dtype (bfloat16 on GPU for real models)."""
     tensor_parallel_size: int = 1
+    """vLLM workers per engine. On GPU each takes one of the GPUs of the engine's placement bundle,
+    so ``resources.num_gpus`` must equal it; on CPU each is bound to its own cores of the bundle
+    (``resources.num_cpus`` at least this)."""
     call_timeout_s: float = 300.0
     """Longest wait for one generate or weight-update call."""
     max_restarts: int = 20
@@ -310,6 +313,13 @@ class JobConfig:
     def __post_init__(self) -> None:
         from ray_forge.config import ConfigError
 
+        tp, engine = self.policy.tensor_parallel_size, self.policy.resources
+        if engine.num_gpus and engine.num_gpus != tp:
+            raise ConfigError(f"policy.resources.num_gpus ({engine.num_gpus:g}) must equal policy.tensor_parallel_size "
+                              f"({tp}): an engine's workers get their GPUs from its placement bundle")
+        if not engine.num_gpus and engine.num_cpus < tp:
+            raise ConfigError(f"policy.resources.num_cpus ({engine.num_cpus:g}) must be at least "
+                              f"policy.tensor_parallel_size ({tp}): on CPU each worker is bound to its own cores")
         if self.grpo.games_per_step % self.grpo.group_size:
             raise ConfigError(
                 f"grpo.games_per_step ({self.grpo.games_per_step}) must be a multiple of "

