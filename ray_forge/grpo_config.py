@@ -317,7 +317,7 @@ class JobConfig:
         if engine.num_gpus and engine.num_gpus != tp:
             raise ConfigError(f"policy.resources.num_gpus ({engine.num_gpus:g}) must equal policy.tensor_parallel_size "
                               f"({tp}): an engine's workers get their GPUs from its placement bundle")
-        if not engine.num_gpus and engine.num_cpus < tp:
+        if tp > 1 and not engine.num_gpus and engine.num_cpus < tp:
             raise ConfigError(f"policy.resources.num_cpus ({engine.num_cpus:g}) must be at least "
                               f"policy.tensor_parallel_size ({tp}): on CPU each worker is bound to its own cores")
         if self.grpo.games_per_step % self.grpo.group_size:
