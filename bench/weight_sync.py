@@ -16,6 +16,15 @@ during the get (reset just before it), next to its RSS before the model was allo
 
     python bench/weight_sync.py [--gb 1.0] [--tensors 100] [--reps 3] [--bucket-mb 128]
 
+``--sharded`` measures the trainer's side instead: a 2-rank FSDP2 TorchTitan trainer (gloo) of a
+Qwen3 made locally (``--hidden``, ``--layers``, ...), publishing over shared memory, once the old
+way (every rank gathers the whole model with ``full_hf_state_dict``, rank 0 puts it) and once
+sharded (each rank puts its own rows). Per rank: the peak RSS during a publish over the RSS
+before it, and the bytes it moved (received by all-gathers + written to the store); a receiver
+reads each version into preallocated tensors, and both must be the same bytes.
+
+    python bench/weight_sync.py --sharded [--hidden 1024] [--layers 8] [--reps 3] [--bucket-mb 128]
+
 The last line printed is a JSON object.
 """
 
@@ -67,6 +76,14 @@ def digest(tensors, dtype: torch.dtype | None = None) -> str:
 def reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
+
+
+def trim_heap() -> None:
+    """Give freed heap back to the OS, so that a later RSS rise is what a step allocates, not
+    memory the allocator happened to keep from earlier work (model loading, a previous step)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @ray.remote(num_cpus=0)
@@ -206,6 +223,9 @@ def naive_rounds(name, trainer, receivers, nbytes, reps):
 
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sharded", action="store_true", help="the trainer's publish: gathered vs sharded")
+    parser.add_argument("--hidden", type=int, default=1024, help="--sharded: the model's hidden size")
+    parser.add_argument("--layers", type=int, default=8, help="--sharded: the model's layers")
     parser.add_argument("--gb", type=float, default=1.0)
     parser.add_argument("--tensors", type=int, default=100)
     parser.add_argument("--reps", type=int, default=3)
@@ -214,6 +234,8 @@ def main() -> dict:
                         help="environment for the Ray nodes, e.g. RAY_object_manager_default_chunk_size=...")
     parser.add_argument("--only", nargs="*", default=[], help="run only these cases (no summary ratios)")
     args = parser.parse_args()
+    if args.sharded:
+        return sharded_main(args)
     layout = shapes(int(args.gb * GB), args.tensors)
     nbytes = sum(r * c * 4 for r, c in layout.values())
     bucket_bytes = args.bucket_mb * 2**20
@@ -303,6 +325,128 @@ def summarize(results: dict, memcpy: float, tcp_ceiling: float, nbytes: int, buc
                                       for k in ("shm", "shm_to_bf16", "object_store_same_node",
                                                 "object_store_cross_node")),
     }
+    print(json.dumps(summary))
+    return summary
+
+
+# -- --sharded: the trainer's publish, gathered (before) and sharded (after) -------------------------
+def _trainer_class():
+    from ray_forge.actors.trainer import TitanTrainer
+    from ray_forge.titan_qwen3 import full_hf_state_dict
+    from ray_forge.weights.shards import local_hf_pieces
+
+    class BenchTrainer(TitanTrainer):
+        """A TorchTitan rank that can also publish the old way, to measure both."""
+
+        def measure_publish(self, spec: StoreSpec, version: int, gathered: bool) -> dict:
+            store = self.store = self.store if self.store and self.store.spec == spec else WeightStore(spec)
+            trim_heap()
+            reset_peak_rss()
+            before = rss_kb("VmRSS")
+            start = time.monotonic()
+            if gathered:  # the path before sharded sync: every rank gathers, rank 0 puts
+                state = full_hf_state_dict(self.model, self.adapter)
+                written = store.put_state_dict(version, state).nbytes if self.rank == 0 else 0
+                del state
+            else:
+                written = store.put_shards(version, local_hf_pieces(self.model, self.adapter), rank=self.rank,
+                                           num_ranks=self.world_size).nbytes
+            seconds = time.monotonic() - start
+            return {"seconds": seconds, "peak_rss_mb": rss_kb("VmHWM") / 1024,
+                    "extra_rss_mb": (rss_kb("VmHWM") - before) / 1024,
+                    "gathered_mb": (self._gathered_bytes() if gathered else 0) / 2**20, "written_mb": written / 2**20}
+
+        def _gathered_bytes(self) -> int:
+            """What full_hf_state_dict's all-gathers bring to this rank: the others' rows of every
+            state-dict tensor (a tied one twice: the state dict lists it under both names; the fused
+            wqkv once, in its state-dict hook)."""
+            from torch.distributed.tensor import DTensor
+
+            return sum((p.numel() - p.to_local().numel()) * p.element_size()
+                       for _, p in self.model.named_parameters(remove_duplicate=False) if isinstance(p, DTensor))
+
+        def shard_mb(self) -> float:
+            return sum(p.to_local().numel() * p.element_size() for p in self.model.parameters()) / 2**20
+
+    return ray.remote(BenchTrainer)
+
+
+@ray.remote(num_cpus=0)
+class StoreReader:
+    """A receiver: the version into preallocated tensors, its extra RSS, and a digest of the bytes."""
+
+    def __init__(self, shapes_dtypes: dict) -> None:
+        self.into = {k: torch.zeros(shape, dtype=getattr(torch, dtype)) for k, (shape, dtype) in shapes_dtypes.items()}
+
+    def read(self, spec: StoreSpec, version: int) -> dict:
+        trim_heap()
+        reset_peak_rss()
+        before = rss_kb("VmRSS")
+        start = time.monotonic()
+        WeightStore(spec).get_state_dict(version, into=self.into)
+        return {"seconds": time.monotonic() - start, "extra_rss_mb": (rss_kb("VmHWM") - before) / 1024,
+                "digest": digest(self.into[k] for k in sorted(self.into))}
+
+
+def sharded_main(args) -> dict:
+    import tempfile
+
+    from safetensors import safe_open
+
+    from envs.blackjack import BlackjackTextEnv
+    from ray_forge.grpo_config import GRPOConfig, TinyModelConfig, TrainerConfig
+    from ray_forge.models import make_tiny_qwen3
+    from ray_forge.trainer_group import TrainerGroup
+
+    heads = args.hidden // 64
+    shape = TinyModelConfig(hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden) // 64 * 64,
+                            num_layers=args.layers, num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=64)
+    folder = Path(tempfile.mkdtemp(prefix="bench-sharded-"))
+    model_dir = make_tiny_qwen3(folder / "model", BlackjackTextEnv.corpus(), shape)
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        layout = {k: (tuple(f.get_slice(k).get_shape()), "float32") for k in f.keys()}
+    model_mb = sum(4 * torch.Size(s).numel() for s, _ in layout.values()) / 2**20
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=512 * 2**20,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
+    Trainer = _trainer_class()
+    results, digests = {}, {}
+    for mode in ("gathered", "sharded"):
+        ranks = [Trainer.options(num_cpus=1).remote(
+            model_dir=str(model_dir), trainer=TrainerConfig(), grpo=GRPOConfig(), total_steps=1, rank=r, world_size=2,
+            allowed_token_ids=None, num_threads=1) for r in range(2)]
+        group = TrainerGroup(ranks, timeout_s=600)
+        group.setup()
+        spec = StoreSpec(name=f"bench-{mode}-{uuid.uuid4().hex[:6]}", transport="shm", keep_versions=1,
+                         bucket_bytes=args.bucket_mb * 2**20, timeout_s=600, senders=("trainer-0", "trainer-1"))
+        store = WeightStore.create(spec)
+        reader = StoreReader.remote(layout)
+        rounds = []
+        for version in range(1, args.reps + 1):
+            per_rank = ray.get([r.measure_publish.remote(spec, version, mode == "gathered") for r in ranks],
+                               timeout=600)
+            rounds.append((per_rank, ray.get(reader.read.remote(spec, version), timeout=600)))
+        shard_mb = ray.get([r.shard_mb.remote() for r in ranks], timeout=60)
+        digests[mode] = {reading["digest"] for _, reading in rounds}
+        results[mode] = {
+            "rank_shard_mb": [round(x, 1) for x in shard_mb],
+            "publish_s": [round(statistics.median(p[i]["seconds"] for p, _ in rounds), 3) for i in range(2)],
+            "rank_peak_rss_mb": [round(max(p[i]["peak_rss_mb"] for p, _ in rounds)) for i in range(2)],
+            "rank_extra_rss_mb": [round(max(p[i]["extra_rss_mb"] for p, _ in rounds)) for i in range(2)],
+            "rank_gathered_mb": [round(rounds[0][0][i]["gathered_mb"], 1) for i in range(2)],
+            "rank_written_mb": [round(rounds[0][0][i]["written_mb"], 1) for i in range(2)],
+            "receiver_s": round(statistics.median(r["seconds"] for _, r in rounds), 3),
+            "receiver_extra_rss_mb": round(max(r["extra_rss_mb"] for _, r in rounds)),
+        }
+        print(f"{mode:>9}: {json.dumps(results[mode])}", flush=True)
+        store.destroy()
+        group.shutdown()
+        for actor in [*ranks, reader]:
+            ray.kill(actor)
+    ray.shutdown()
+    summary = {"bench": "weight_sync_sharded", "model_mb": round(model_mb, 1), "ranks": 2, "bucket_mb": args.bucket_mb,
+               "reps": args.reps, "model": {"hidden": args.hidden, "layers": args.layers, "heads": heads},
+               # Both paths deliver the same bytes: the receiver's digest is one and the same.
+               "exact": len(digests["gathered"] | digests["sharded"]) == 1, **results}
     print(json.dumps(summary))
     return summary
 

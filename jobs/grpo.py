@@ -136,12 +136,17 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState, rollou
 
 
 async def push_weights(actors: Actors, fleet: Fleet, version: int) -> dict[str, float]:
-    """The trainer puts ``version`` in the weight store; every live policy pulls it in place."""
+    """The trainer puts ``version`` in the weight store; every live policy loads it in place.
+    Over a push transport (collective) the trainer's broadcast and the engines' receive run together."""
     start = time.monotonic()
     spec = actors.store.spec
-    publish_s = await actors.trainer.publish_weights(spec, version)
-    # A policy finishes its current generate call first, so this wait includes that.
-    load_s = await fleet.push(spec, version)
+    if spec.pushes:
+        publish_s, load_s = await asyncio.gather(actors.trainer.publish_weights(spec, version),
+                                                 fleet.push(spec, version))
+    else:
+        publish_s = await actors.trainer.publish_weights(spec, version)
+        # A policy finishes its current generate call first, so this wait includes that.
+        load_s = await fleet.push(spec, version)
     return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s, "weight_load_s": load_s}
 
 

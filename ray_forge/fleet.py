@@ -110,6 +110,11 @@ class Fleet:
 
     async def _sync(self, name: str, version: int) -> None:
         """Bring a policy to the fleet's version (a push may have passed it by while it restarted)."""
+        if self.spec is not None and self.spec.pushes and version < self.version:
+            # Nothing is stored to pull: it serves what it has (its games carry that version, so the
+            # buffer's lag limit drops them) until the next push, which is opened with it in.
+            log.warning("%s is on version %d until the next push (pushed weights cannot be pulled)", name, version)
+            return
         while version < self.version and self.spec is not None:
             target = self.version
             await call(self.members[name].update_weights.remote(self.spec, target), timeout_s=self.timeout_s["policy"],
@@ -142,26 +147,64 @@ class Fleet:
 
     # -- weights ---------------------------------------------------------------------------
     async def push(self, spec, version: int) -> float:
-        """Every live engine loads ``version`` (already published); one that dies meanwhile is
-        synced when it is back. Returns the slowest load in seconds."""
+        """Every live engine loads ``version``; one that dies meanwhile is synced when it is back.
+        Returns the slowest load in seconds.
+
+        Pull transports: the version is already published. A push transport (collective): the
+        trainer's ``publish_weights`` must run at the same time; the push is opened for the live
+        engines (a change of who is live rebuilds the groups), an engine that dies aborts it at
+        once, and an engine whose transfer fails keeps its version (``serving`` does not move)."""
+        from ray_forge.weights.collective import close_push, open_push
+
         self.spec, self.version = spec, version
         names = [f"policy-{i}" for i in range(self.num["policy"])]
-        results = await asyncio.gather(*(self._update(name, spec, version) for name in names))
-        self.serving = version
-        return max(results)
+        session = None
+        if spec.pushes:
+            if len(spec.receivers) != len(names):
+                raise ValueError(f"the weight store's receivers {list(spec.receivers)} are not the fleet's {names}")
+            # Engine i is the actor spec.receivers[i] (policy-i in a job): it finds its ranks by that name.
+            live = tuple(spec.receivers[i] for i, name in enumerate(names)
+                         if name not in self._recovering and name not in self.lost)
+            session = await open_push(spec, version, live)
+        try:
+            results = await asyncio.gather(*(self._update(name, spec, version, session) for name in names))
+        finally:
+            if session is not None:
+                await close_push(spec, version)
+        if all(r is not None for r in results):
+            self.serving = version
+        return max((r for r in results if r is not None), default=0.0)
 
-    async def _update(self, name: str, spec, version: int) -> float:
+    async def _update(self, name: str, spec, version: int, session=None) -> float | None:
+        """Seconds ``name`` took to load ``version``; None when its push failed and it kept its
+        previous version (push transport only)."""
+        import ray
+
+        from ray_forge.weights import WeightSyncError
+        from ray_forge.weights.collective import push_failed
+
         if name in self._recovering or name in self.lost:
             return 0.0  # it syncs to self.version when it is back
+        # A push bounds its own waits by spec.timeout_s and names the peer; leave it room to say so.
+        timeout_s = spec.timeout_s + (60 if session is not None else 0)
         try:
-            return await call(self.members[name].update_weights.remote(spec, version), timeout_s=spec.timeout_s,
+            return await call(self.members[name].update_weights.remote(spec, version), timeout_s=timeout_s,
                               what=f"{name}.update_weights")
         except RemoteCallError as err:
             if not err.died:
                 raise
-            log.warning("%s; it gets version %d when it is back", err, version)
+            if session is None:
+                log.warning("%s; it gets version %d when it is back", err, version)
+            else:  # nothing is stored to pull later, and the others would wait for it until their timeout
+                log.warning("%s; it takes part in the next push when it is back", err)
+                await push_failed(spec, session, f"{name} died ({err})")
             self.recover(name)
             return 0.0
+        except ray.exceptions.RayTaskError as err:
+            if session is None or not isinstance(err.cause, WeightSyncError):
+                raise
+            log.warning("%s", err.cause)
+            return None
 
     def stats(self) -> dict[str, int]:
         """Restarts as Ray's control store counts them (a member killed while idle and back before

@@ -232,9 +232,10 @@ class WeightSyncConfig:
     """How the trainer's weights reach the policy engines after every step."""
 
     transport: Literal["auto", "shm", "object_store", "collective", "nccl", "torchstore"] = "auto"
-    """auto: shm when every policy shares trainer rank 0's node, else object_store. nccl pushes
-    over NCCL through vLLM's weight-transfer API (GPU only, untested here); torchstore needs the
-    torchstore package and Monarch."""
+    """auto: shm when every policy and every trainer rank share one node, else object_store.
+    collective: each trainer rank broadcasts its own shards straight into every engine worker over
+    torch.distributed (gloo on CPU, NCCL on GPU); nccl is its deprecated old name. torchstore needs
+    the torchstore package and Monarch."""
     keep_versions: int = 2
     """Versions kept in the store; older ones are freed."""
     bucket_mb: int = 128

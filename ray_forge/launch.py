@@ -89,7 +89,7 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, 
         PolicyActor.options(**slot.options(f"policy-{i}"), runtime_env=_OFFLINE_ENV,
                             max_restarts=config.policy.max_restarts).remote(
             model_dir=model_dir, config=config.policy, action_words=action_words, seed=config.run.seed + i,
-            weight_transport=config.weights.transport, store_name=store_name)
+            store_name=store_name)
         for i, slot in enumerate(slots["policy"])
     ]
     handles += policies
@@ -124,7 +124,12 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, 
     policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=config.policy.call_timeout_s,
                        what="policies")
     trainer_nodes = get([r.node_id.remote() for r in ranks], timeout_s=60, what="trainer ranks")
-    transport = resolve_transport(config.weights.transport, trainer_nodes[0], policy_nodes)
+    transport = resolve_transport(config.weights.transport, trainer_nodes, policy_nodes)
+    if config.policy.tensor_parallel_size > 1 and transport != "shm":
+        # The workers of a tensor-parallel engine are vLLM's own processes, outside Ray: they read
+        # shared memory on their node; the object store and the push's rendezvous need Ray.
+        raise ConfigError(f"policy.tensor_parallel_size > 1 needs weights.transport=shm (trainer ranks and engines "
+                          f"on one node); this run resolved it to {transport}")
     store = WeightStore.create(store_spec(config, store_name, transport))
     actors = Actors(policies, envs, buffer, trainer, reference, store, pools, model_dir, handles)
     log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s, weights over %s",
@@ -148,17 +153,23 @@ def log_placement(actor_nodes: dict[str, str]) -> None:
                  node.get("Labels", {}).get(POOL_LABEL, "-"), ", ".join(names))
 
 
-def resolve_transport(choice: str, trainer_node: str, policy_nodes: list[str]) -> str:
-    """'auto' is shared memory when every policy is on trainer rank 0's node, else the object store."""
+def resolve_transport(choice: str, trainer_nodes: list[str], policy_nodes: list[str]) -> str:
+    """'auto' is shared memory when every policy and every trainer rank share one node (each rank
+    writes its shards on its own node), else the object store. 'nccl' is the old name of 'collective'."""
+    if choice == "nccl":
+        log.warning("weights.transport=nccl is deprecated: it is now 'collective' (NCCL on GPUs, gloo on CPUs)")
+        return "collective"
     if choice != "auto":
         return choice
-    return "shm" if all(node == trainer_node for node in policy_nodes) else "object_store"
+    return "shm" if len(set(trainer_nodes) | set(policy_nodes)) == 1 else "object_store"
 
 
 def store_spec(config: JobConfig, name: str, transport: str) -> StoreSpec:
     weights = config.weights
     return StoreSpec(
-        name=name, transport=transport, sender="trainer-0", keep_versions=weights.keep_versions,
-        bucket_bytes=weights.bucket_mb * 2**20, timeout_s=weights.timeout_s,
+        name=name, transport=transport, sender="trainer-0",
+        senders=tuple(f"trainer-{r}" for r in range(config.trainer.num_ranks)),
+        keep_versions=weights.keep_versions, bucket_bytes=weights.bucket_mb * 2**20, timeout_s=weights.timeout_s,
         dtype=config.policy.dtype if weights.dtype == "auto" else weights.dtype,
-        receivers=tuple(f"policy-{i}" for i in range(config.policy.num_replicas)))
+        receivers=tuple(f"policy-{i}" for i in range(config.policy.num_replicas)),
+        workers_per_receiver=config.policy.tensor_parallel_size)

@@ -34,8 +34,36 @@ class TrainerGroup:
         return paths[0]
 
     async def publish_weights(self, spec: StoreSpec, version: int) -> float:
-        """All ranks gather the full weights; rank 0 puts them in the store. Returns rank 0's seconds."""
-        return (await self._all("publish_weights", lambda rank: (spec, version)))[0]
+        """Every rank puts its own shards (none gathers the model); the version is published once
+        all have. Returns the slowest rank's seconds.
+
+        Over a push transport (collective) the ranks broadcast into the engines, so ``Fleet.push``
+        must run at the same time. A failed push is not the trainer's failure: it is logged, the
+        engines keep their version, and the next push rebuilds the groups. A push nobody opened is
+        a driver that did not run the two together: that error is raised."""
+        import logging
+
+        import ray
+
+        from ray_forge.weights import WeightSyncError
+        from ray_forge.weights.collective import PushNotOpened
+
+        if not spec.pushes:
+            return max(await self._all("publish_weights", lambda rank: (spec, version)))
+        refs = [r.publish_weights.remote(spec, version) for r in self.ranks]
+        results = await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what=f"trainer-{i}.publish_weights")
+                                          for i, ref in enumerate(refs)), return_exceptions=True)
+        seconds = []
+        for rank, result in enumerate(results):
+            cause = getattr(result, "cause", None)
+            if isinstance(result, ray.exceptions.RayTaskError) and isinstance(cause, WeightSyncError) \
+                    and not isinstance(cause, PushNotOpened):
+                logging.getLogger(__name__).warning("trainer-%d: %s", rank, cause)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                seconds.append(result)
+        return max(seconds, default=0.0)
 
     async def score(self, pairs: list) -> list:
         """Every rank scores the same (prompt, response) pairs; rank 0's answer (see ``TitanTrainer.score``)."""

@@ -46,3 +46,49 @@ def test_two_workers_on_cpu_decide_as_one_does(tiny_model_dir):
     assert results[2][0] == results[1][0]
     assert results[2][1] == results[1][1]  # seeded sampling: the same draws from the same distribution
     assert torch.allclose(results[2][2], results[1][2], atol=1e-4)
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_a_two_worker_engine_matches_the_trainer_after_a_sync(ray_cluster, tiny_model_dir):
+    """The workers of a tensor-parallel engine are vLLM's processes, outside Ray: the policy actor
+    hands them the version's manifest and each reads shared memory itself. After a trained
+    version is synced, the engine's greedy action equals the trainer's argmax in all 360 states
+    and its logprobs equal the trainer's."""
+    import asyncio
+
+    from ray_forge import sync_check
+    from ray_forge.actors.policy import PolicyActor
+    from ray_forge.actors.trainer import TrainerActor
+    from ray_forge.episode import Sample
+    from ray_forge.grpo_config import GRPOConfig, TrainerConfig
+    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.weights import StoreSpec, WeightStore
+
+    policy = PolicyActor.options(num_cpus=1).remote(
+        model_dir=tiny_model_dir, action_words=ACTION_WORDS, config=PolicyConfig(kv_cache_mb=64, tensor_parallel_size=2))
+    allowed = ray_cluster.get(policy.get_allowed_token_ids.remote(), timeout=300)
+    rank = TrainerActor.options(num_cpus=0.5).remote(
+        model_dir=tiny_model_dir, trainer=TrainerConfig(lr=3e-3), grpo=GRPOConfig(), total_steps=3, rank=0,
+        world_size=1, allowed_token_ids=allowed)
+    trainer = TrainerGroup([rank], timeout_s=300)
+    store = WeightStore.create(StoreSpec(name="tp2-sync", transport="shm", bucket_bytes=2**17))
+    prompts = [render_state(s) for s in all_states()]
+    try:
+        trainer.setup()
+        before = ray_cluster.get(policy.generate.remote(prompts, True), timeout=120)
+        samples = [Sample(token_ids=t.prompt_ids + (allowed[0],), prompt_len=len(t.prompt_ids),
+                          behaviour_logprobs=(-0.7,), advantage=1.0, policy_version=0) for t in before]
+        for _ in range(3):
+            asyncio.run(trainer.train_step(samples))
+        asyncio.run(trainer.publish_weights(store.spec, 3))
+        ray_cluster.get(policy.update_weights.remote(store.spec, 3), timeout=120)
+        after = ray_cluster.get(policy.generate.remote(prompts, True), timeout=120)
+        assert [t.response_ids for t in after] != [t.response_ids for t in before]  # the sync changed it
+        row = asyncio.run(sync_check.check(policy, trainer, prompts, seed=0, tolerance=1e-4, timeout_s=120))
+        assert row["sync_greedy_agreement"] == 1.0 and row["sync_logprob_max_diff"] <= 1e-4, row
+    finally:
+        trainer.shutdown()
+        store.destroy()
+        ray_cluster.kill(rank)
+        ray_cluster.kill(policy)

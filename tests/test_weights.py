@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ray_forge.weights import StoreSpec, TransportUnavailable, WeightStore, WeightSyncError
-from ray_forge.weights.layout import pack_into, plan_buckets, unpack
+from ray_forge.weights.layout import Piece, assemble, pack_into, plan_buckets, plan_groups, plan_pieces, unpack
+from ray_forge.weights.shards import chunk_rows, split_fused_qkv
 
 MiB = 2**20
 
@@ -74,9 +75,130 @@ def test_bad_specs_are_refused():
 def test_unavailable_transports_say_what_is_missing():
     with pytest.raises(TransportUnavailable, match="torchstore"):
         WeightStore(spec_for("torchstore"))
-    if not torch.cuda.is_available():
-        with pytest.raises(TransportUnavailable, match="CUDA"):
-            WeightStore(spec_for("nccl"))
+    with pytest.raises(ValueError, match="replaced by 'collective'"):
+        spec_for("nccl")
+
+
+def test_auto_picks_shared_memory_only_when_every_rank_and_engine_share_a_node():
+    from ray_forge.launch import resolve_transport
+
+    assert resolve_transport("auto", ["a", "a"], ["a", "a"]) == "shm"
+    assert resolve_transport("auto", ["a", "b"], ["a"]) == "object_store"  # rank 1 writes its shards on b
+    assert resolve_transport("auto", ["a"], ["a", "b"]) == "object_store"
+    assert resolve_transport("nccl", ["a"], ["a"]) == "collective"  # the old name
+    assert resolve_transport("collective", ["a"], ["b"]) == "collective"
+
+
+# -- shards (no Ray) -----------------------------------------------------------------------------
+def chunk_pieces(sd: dict[str, torch.Tensor], rank: int, world_size: int) -> list[Piece]:
+    """What an FSDP2 rank holds of ``sd``: torch.chunk's rows of every tensor (None where it has none)."""
+    pieces = []
+    for name, t in sd.items():
+        start, count = chunk_rows(t.shape[0], world_size, rank)
+        pieces.append(Piece(name, tuple(t.shape), t.dtype, start, t[start:start + count] if count else None))
+    return pieces
+
+
+def packed(pieces: list[Piece], bucket_bytes: int, dtype: str = "") -> list:
+    """(bucket, its bytes) for each of one sender's buckets."""
+    tensors = {p.key: p.tensor for p in pieces if p.tensor is not None}
+    out = []
+    for bucket in plan_pieces(pieces, bucket_bytes, dtype):
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        pack_into(bucket, tensors, buffer)
+        out.append((bucket, buffer))
+    return out
+
+
+def in_group_order(per_rank: list[list]) -> list:
+    groups = sorted({b.index for buckets in per_rank for b, _ in buckets})
+    return [(b, buf) for g in groups for buckets in per_rank for b, buf in buckets if b.index == g]
+
+
+@pytest.mark.parametrize("num_rows, world_size", [(17, 2), (5, 4), (2, 3), (1, 2), (9, 1), (0, 2)])
+def test_chunk_rows_are_torch_chunks(num_rows, world_size):
+    """FSDP2 shards dim 0 with torch.chunk, which may hand high ranks fewer rows or none."""
+    chunks = torch.arange(num_rows).chunk(world_size) if num_rows else ()
+    for rank in range(world_size):
+        start, count = chunk_rows(num_rows, world_size, rank)
+        want = chunks[rank].tolist() if rank < len(chunks) else []
+        assert list(range(start, start + count)) == want
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("ndim", [2, 1])
+def test_fused_qkv_rows_split_like_torchtitan(world_size, ndim):
+    """Each rank's rows of the fused wqkv, split locally, put back together exactly into the wq/wk/wv
+    that TorchTitan's own state-dict hook makes from the whole tensor, for any split of the rows."""
+    from types import SimpleNamespace
+
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    heads_per_kv, head_dim, num_kv = 3, 4, 2
+    rows = num_kv * (heads_per_kv + 2) * head_dim
+    wqkv = torch.randn((rows, 6) if ndim == 2 else (rows,))
+    param = "weight" if ndim == 2 else "bias"
+    want = {f"wqkv.{param}": wqkv.clone()}
+    module = SimpleNamespace(head_dim=head_dim, heads_per_kv=heads_per_kv, r_dim=heads_per_kv + 2)
+    FusedQKVLinear._split_qkv_on_save(module, want, "", None)
+    got: dict[str, torch.Tensor] = {}
+    for rank in range(world_size):
+        start, count = chunk_rows(rows, world_size, rank)
+        split = split_fused_qkv(wqkv[start:start + count] if count else None, start, tuple(wqkv.shape),
+                                heads_per_kv, head_dim)
+        for target, (shape, pieces) in split.items():
+            whole = got.setdefault(f"{target}.{param}", torch.full(shape, float("nan")))
+            for first_row, piece in pieces:
+                whole[first_row:first_row + piece.shape[0]] = piece
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("dtype", ["", "bfloat16"])
+def test_shards_of_three_senders_assemble_bitwise(dtype):
+    """Uneven and empty shards from 3 senders: every sender plans the same groups without talking to
+    the others, and reading group by group gives back every whole tensor (converted like .to())."""
+    sd = state_dict()
+    sd["tiny.weight"] = torch.randn(2, 5)  # rank 2 holds none of it
+    sd["odd.weight"] = torch.randn(7, 33)
+    per_rank = [packed(chunk_pieces(sd, r, 3), MiB, dtype) for r in range(3)]
+    groups = plan_groups(chunk_pieces(sd, 0, 3), MiB, dtype)
+    for buckets in per_rank:  # a bucket's index is its group, whatever the sender
+        assert all(groups[t.name] == b.index for b, _ in buckets for t in b.tensors)
+    assert not any(t.name == "tiny.weight" for b, _ in per_rank[2] for t in b.tensors)
+    got = {name: t.clone() for name, t in assemble(in_group_order(per_rank), "test")}
+    want = {k: v.to(getattr(torch, dtype)) if dtype and v.is_floating_point() else v for k, v in sd.items()}
+    assert_bitwise(got, want)
+
+
+def test_a_receiver_holds_about_one_bucket_of_whole_tensors():
+    """A whole tensor is handed on as soon as its group's last piece is read, never later."""
+    sd = state_dict()
+    per_rank = [packed(chunk_pieces(sd, r, 2), MiB) for r in range(2)]
+    stream = in_group_order(per_rank)
+    groups_read = []
+
+    def reading():
+        for bucket, buffer in stream:
+            groups_read.append(bucket.index)
+            yield bucket, buffer
+
+    for name, _ in assemble(reading(), "test"):
+        # 4 matrices of 256 KiB per 1 MiB group: a tensor of group g is out before group g + 1 is read.
+        assert max(groups_read) == plan_groups(chunk_pieces(sd, 0, 2), MiB)[name]
+
+
+def test_a_missing_piece_is_an_error_naming_the_tensor():
+    sd = state_dict()
+    per_rank = [packed(chunk_pieces(sd, r, 2), MiB) for r in range(2)]
+    stream = in_group_order(per_rank)
+    dropped = [(b, buf) for b, buf in stream if not (b.index == 1 and b.tensors[0].row_offset > 0)]
+    with pytest.raises(ValueError, match=r"version 7: 4 tensors are missing rows, e\.g\. layers\.4\.weight"):
+        list(assemble(dropped, "version 7"))
+    twice = [stream[1]] + stream[1:]  # rank 1's rows of group 0 twice, rank 0's never: as many rows as needed
+    with pytest.raises(ValueError, match="overlap or leave a gap"):
+        list(assemble(twice, "version 7"))
 
 
 # -- through Ray ---------------------------------------------------------------------------------
@@ -87,6 +209,11 @@ def _actor_classes():
     class Sender:
         def put(self, spec: StoreSpec, version: int, seed: int) -> int:
             return WeightStore(spec).put_state_dict(version, state_dict(seed)).nbytes
+
+        def put_shard(self, spec: StoreSpec, version: int, seed: int, rank: int, world_size: int) -> int:
+            """Put rank ``rank``'s torch.chunk rows of the test state dict, as an FSDP2 rank would."""
+            pieces = chunk_pieces(state_dict(seed), rank, world_size)
+            return WeightStore(spec).put_shards(version, pieces, rank=rank, num_ranks=world_size).nbytes
 
     @ray.remote(num_cpus=0)
     class Receiver:
@@ -132,6 +259,37 @@ def test_two_receivers_get_bitwise_copies_in_place(ray_cluster, peers, transport
         assert_bitwise(store.get_state_dict(1), state_dict(1))
         assert store.keys(1)[0] == "policy_ver_0000000001.layers.0.weight"
     finally:
+        store.destroy()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("transport", ["shm", "object_store"])
+def test_a_sharded_version_is_published_once_every_rank_put_its_part(ray_cluster, peers, transport):
+    """Two senders put their own rows (half the bytes each); until the second has, a receiver's wait
+    fails naming it; then receivers read whole tensors, bitwise. Eviction frees both ranks' parts."""
+    Sender, sender, receivers = peers
+    other = Sender.remote()  # rank 1
+    store = WeightStore.create(spec_for(transport, keep_versions=1, timeout_s=3, senders=("trainer-0", "trainer-1")))
+    try:
+        half = ray_cluster.get(sender.put_shard.remote(store.spec, 1, 1, 0, 2), timeout=60)
+        assert half < 0.6 * sum(t.numel() * t.element_size() for t in state_dict().values())
+        with pytest.raises(WeightSyncError, match="version 1 .*: trainer-1 did not put its part within 3s"):
+            store.get_state_dict(1)
+        ray_cluster.get(other.put_shard.remote(store.spec, 1, 1, 1, 2), timeout=60)
+        for got in ray_cluster.get([r.get.remote(store.spec, 1) for r in receivers], timeout=60):
+            assert_bitwise(got, state_dict(1))
+        assert [p.rank for p in store.manifest(1).parts] == [0, 1]
+        for rank, actor in enumerate((sender, other)):
+            ray_cluster.get(actor.put_shard.remote(store.spec, 2, 2, rank, 2), timeout=60)
+        # Each rank frees its own evicted part at its next put (rank 1 completed version 2: at once).
+        ray_cluster.get(sender.put_shard.remote(store.spec, 3, 3, 0, 2), timeout=60)
+        assert store.versions() == [2]
+        if transport == "shm":
+            assert sorted(p.name for p in store.transport.root.iterdir()) == [
+                "policy_ver_0000000002", "policy_ver_0000000002-rank1", "policy_ver_0000000003"]
+        assert_bitwise(store.get_state_dict(2), state_dict(2))
+    finally:
+        ray_cluster.kill(other)
         store.destroy()
 
 
@@ -258,3 +416,88 @@ def test_a_version_that_never_comes_times_out_naming_the_sender(ray_cluster, tra
         assert time.monotonic() - start < 10
     finally:
         store.destroy()
+
+
+# -- a real 2-rank FSDP2 trainer and a real vLLM engine ------------------------------------------
+@pytest.fixture(scope="module")
+def tied_unaligned_model_dir(tmp_path_factory) -> str:
+    """Tied embeddings (the adapter drops lm_head.weight) and 3 kv heads of 3 q heads: the fused
+    wqkv has 288 rows, so rank 0's 144 end inside a k head, and the embedding's rows split unevenly."""
+    from envs.blackjack import BlackjackTextEnv
+    from ray_forge.grpo_config import TinyModelConfig
+    from ray_forge.models import make_tiny_qwen3
+
+    folder = tmp_path_factory.mktemp("models") / "tied_unaligned"
+    shape = TinyModelConfig(hidden_size=96, intermediate_size=160, num_layers=2, num_heads=3, num_kv_heads=3,
+                            head_dim=32, tie_word_embeddings=True)
+    return str(make_tiny_qwen3(folder, BlackjackTextEnv.corpus(), shape))
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_two_fsdp_ranks_put_their_own_shards_and_vllm_loads_the_whole_model(ray_cluster, tied_unaligned_model_dir,
+                                                                             tmp_path):
+    """Each of 2 FSDP2 ranks puts only its own rows (about half the bytes each; no gather); a
+    receiver's assembled version equals full_hf_state_dict of the same model bit for bit, and a
+    vLLM engine that loads it computes what the trainer computes."""
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from envs.blackjack import ACTION_WORDS, BlackjackTextEnv
+    from ray_forge.actors.policy import VLLMPolicy
+    from ray_forge.actors.trainer import TrainerActor
+    from ray_forge.episode import Sample
+    from ray_forge.grpo_config import GRPOConfig, PolicyConfig, TrainerConfig
+    from ray_forge.trainer_group import TrainerGroup
+
+    model_dir = tied_unaligned_model_dir
+    engine = VLLMPolicy(model_dir=model_dir, config=PolicyConfig(kv_cache_mb=64), action_words=ACTION_WORDS)
+    ranks = [TrainerActor.options(num_cpus=0.5).remote(
+        model_dir=model_dir, trainer=TrainerConfig(lr=3e-3), grpo=GRPOConfig(), total_steps=5, rank=r,
+        world_size=2, allowed_token_ids=engine.allowed_ids) for r in range(2)]
+    trainer = TrainerGroup(ranks, timeout_s=300)
+    store = WeightStore.create(StoreSpec(name=f"test-{uuid.uuid4().hex[:8]}", transport="shm", bucket_bytes=2**16,
+                                         senders=("trainer-0", "trainer-1")))
+    try:
+        trainer.setup()
+        prompts = [BlackjackTextEnv().reset(seed) for seed in range(360)]
+        before = [c.text for c in engine.generate(prompts, greedy=True)]
+        hit = engine.tokenizer.convert_tokens_to_ids("HIT")
+        samples = [Sample(token_ids=c.prompt_ids + (hit,), prompt_len=len(c.prompt_ids), behaviour_logprobs=(-0.7,),
+                          advantage=1.0, policy_version=0) for c in engine.generate(prompts)]
+        for _ in range(2):
+            asyncio.run(trainer.train_step(samples))
+        asyncio.run(trainer.publish_weights(store.spec, 2))
+
+        manifest = store.manifest(2)
+        assert [p.sender for p in manifest.parts] == ["trainer-0", "trainer-1"]
+        assert len({b.index for b in manifest.buckets}) > 2  # several groups
+        assert all(p.nbytes < 0.6 * manifest.nbytes for p in manifest.parts)  # each rank put about half
+        k_proj = {p.rank for p in manifest.parts for b in p.buckets for t in b.tensors
+                  if t.name == "model.layers.0.self_attn.k_proj.weight"}
+        assert k_proj == {0, 1}  # the ranks' halves of the fused wqkv meet inside a k head
+        got = store.get_state_dict(2)
+        asyncio.run(trainer.export_hf(str(tmp_path / "full")))  # full_hf_state_dict, gathered
+        want = load_file(str(tmp_path / "full" / "model.safetensors"))
+        assert "lm_head.weight" not in got
+        assert_bitwise(got, want)
+
+        engine.update_weights(store.spec, 2)
+        after = engine.generate(prompts, greedy=True)
+        assert [c.text for c in after] != before  # the engine now runs the trained weights
+        rows = ray_cluster.get([r.logits.remote([list(c.prompt_ids) for c in after]) for r in ranks], timeout=300)[0]
+        for c, row in zip(after, rows):
+            assert c.response_ids[0] == max(engine.allowed_ids, key=lambda t: row[-1, t].item())
+        sampled = engine.generate(prompts[:32])
+        rows = ray_cluster.get([r.logits.remote([list(c.prompt_ids) for c in sampled]) for r in ranks],
+                               timeout=300)[0]
+        for c, row in zip(sampled, rows):
+            expected = torch.log_softmax(row[-1, engine.allowed_ids], -1)[engine.allowed_ids.index(c.response_ids[0])]
+            assert c.logprobs[0] == pytest.approx(expected.item(), abs=1e-4)
+    finally:
+        trainer.shutdown()
+        for r in ranks:
+            ray_cluster.kill(r)
+        store.destroy()
+        engine.shutdown()

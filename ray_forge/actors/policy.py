@@ -73,7 +73,7 @@ class VLLMPolicy:
     """One engine in this process (uni executor): ~3 s to start instead of ~20 s with workers."""
 
     def __init__(self, *, model_dir: str, config: PolicyConfig, action_words: tuple[str, ...] | None,
-                 seed: int = 0, weight_transport: str = "", store_name: str = "") -> None:
+                 seed: int = 0, store_name: str = "") -> None:
         # Must be set before vLLM is imported: keep the engine core (and, without tensor
         # parallelism, the worker) in this actor.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -89,10 +89,6 @@ class VLLMPolicy:
         self.model_dir = model_dir
         self.version = 0
         start = time.monotonic()
-        push = {}
-        if weight_transport == "nccl":  # the trainer broadcasts into vLLM's own weight-transfer engine
-            from vllm.config import WeightTransferConfig
-            push = {"weight_transfer_config": WeightTransferConfig(backend="nccl")}
         self.llm = LLM(
             model=model_dir,
             tokenizer=model_dir,
@@ -111,7 +107,6 @@ class VLLMPolicy:
             logprobs_mode="processed_logprobs",
             # Each worker pulls new weights from the store inside its own process.
             worker_extension_cls="ray_forge.weights.vllm_receiver.WeightReceiverExtension",
-            **push,
         )
         self.tokenizer = self.llm.get_tokenizer()
         constrain = bool(config.constrain_to_actions and action_words)
@@ -135,13 +130,19 @@ class VLLMPolicy:
             log.warning("restarted before any weights were published: serving the base model (version 0)")
             return
         latest = ray.get(controller.latest.remote(), timeout=self.config.call_timeout_s)
-        if latest is not None:
-            spec, version = latest
-            if spec.transport == "nccl":
-                raise RuntimeError("a restarted engine cannot pull weights pushed over nccl; use weights.transport=shm "
-                                   "or object_store to restart policies")
-            self.update_weights(spec, version)
-            log.warning("restarted: loaded policy version %d from the weight store", version)
+        if latest is None:
+            return
+        spec, version = latest
+        if spec.pushes:
+            # Nothing is stored to pull: have the next push rebuild its groups with this process in them.
+            from ray_forge.weights.vllm_receiver import engine_name
+
+            ray.get(controller.receiver_restarted.remote(engine_name()), timeout=self.config.call_timeout_s)
+            log.warning("restarted: version %d was pushed over %s before this engine came back; serving the base "
+                        "model (version 0) until the next push", version, spec.transport)
+            return
+        self.update_weights(spec, version)
+        log.warning("restarted: loaded policy version %d from the weight store", version)
 
     def whoami(self) -> tuple[int, int]:
         """(process id, version): a new process id means Ray restarted this engine."""
@@ -193,25 +194,36 @@ class VLLMPolicy:
         return [pools[p].pop() for p in prompts]
 
     def update_weights(self, spec: StoreSpec, version: int) -> float:
-        """Load ``version`` from the weight store in place (no engine restart); returns seconds.
+        """Load ``version`` in place (no engine restart); returns seconds.
 
         Calls to this actor run one at a time, so generation pauses for the swap and resumes
-        with the new weights."""
+        with the new weights. Over the collective transport the trainer pushes at the same time:
+        every worker receives every bucket first, and the engine loads only then, so a failed
+        transfer raises WeightSyncError and leaves the engine on its current version."""
         start = time.monotonic()
-        if spec.transport == "nccl":
-            WeightStore(spec).manifest(version)  # already pushed into the engine; confirm it was published
+        if spec.pushes:
+            from ray_forge.weights.vllm_receiver import receive_pushed
+
+            if not receive_pushed(self.llm, spec, version, self.version):
+                return time.monotonic() - start  # not part of that push (it restarted): it joins the next
         else:
-            self.llm.collective_rpc("pull_weights", args=(spec, version))
+            store = WeightStore(spec)
+            manifest = store.manifest(version)
+            if spec.transport == "shm":
+                store.transport.check_local(manifest)
+            self.llm.collective_rpc("pull_weights", args=(spec, manifest))
         # Cached prefixes hold keys/values of the old weights.
         self.llm.reset_prefix_cache()
         self.version = version
         return time.monotonic() - start
 
-    def weight_transfer_rpc(self, method: str, *args) -> None:
-        """vLLM's weight-transfer calls (the nccl push), forwarded to every worker of the engine."""
-        self.llm.collective_rpc(method, args=args)
+    def weight_transfer_rpc(self, method: str, *args) -> list:
+        """Call a method of the weight receiver (``ray_forge.weights.vllm_receiver``) on every
+        worker of the engine, e.g. ``weights_digest``; returns each worker's answer."""
+        return self.llm.collective_rpc(method, args=args)
 
     def num_workers(self) -> int:
+        """vLLM workers of this engine: each takes its own rank in a collective push."""
         return self.config.tensor_parallel_size
 
     def get_version(self) -> int:

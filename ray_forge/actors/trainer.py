@@ -187,15 +187,19 @@ class TitanTrainer:
         return self.version
 
     def publish_weights(self, spec: StoreSpec, version: int) -> float:
-        """Gather full weights (all ranks); rank 0 puts them in the weight store. Returns seconds.
+        """Put this rank's own shards of the weights in the weight store, in HF naming with their
+        place in each whole tensor: no rank gathers the model. Returns seconds.
 
-        The put only writes and publishes: it never waits for a receiver."""
+        The version is published once every rank has put its part; the put never waits for a
+        receiver, except over the collective transport, where it broadcasts into the engines while
+        they receive (``Fleet.push`` must run at the same time)."""
+        from ray_forge.weights.shards import local_hf_pieces
+
         start = time.monotonic()
-        state = full_hf_state_dict(self.model, self.adapter)
-        if self.rank == 0:
-            if self.store is None or self.store.spec != spec:
-                self.store = WeightStore(spec)
-            self.store.put_state_dict(version, state)
+        if self.store is None or self.store.spec != spec:
+            self.store = WeightStore(spec)
+        self.store.put_shards(version, local_hf_pieces(self.model, self.adapter), rank=self.rank,
+                              num_ranks=self.world_size)
         return time.monotonic() - start
 
     def node_id(self) -> str:
@@ -242,9 +246,9 @@ class TitanTrainer:
         return list(range(self.rank, num_rows, self.world_size))
 
     def shutdown(self) -> None:
-        # Shared-memory versions live on this node, which may not be the driver's.
-        if self.store is not None and hasattr(self.store.transport, "destroy"):
-            self.store.transport.destroy()
+        # Shared-memory versions live on this node, which may not be the driver's; push groups end here.
+        if self.store is not None:
+            self.store.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,10 +1,11 @@
-"""Versioned weight store: the trainer puts a version, every policy engine pulls it in place.
+"""Versioned weight store: each trainer rank puts its own shards of a version, every policy engine
+takes the whole version in place.
 
-Transports: ``shm`` (same node, the local default), ``object_store`` (across nodes), ``nccl``
-(GPU push through vLLM's weight-transfer API; untested without GPUs) and ``torchstore``.
+Transports: ``shm`` (same node, the local default), ``object_store`` (across nodes),
+``collective`` (a push over torch.distributed: gloo on CPU, NCCL on GPU) and ``torchstore``.
 """
 
-from ray_forge.weights.base import Manifest, StoreSpec, TransportUnavailable, WeightSyncError
+from ray_forge.weights.base import Manifest, Part, StoreSpec, TransportUnavailable, WeightSyncError
 from ray_forge.weights.store import WeightStore, version_key
 
-__all__ = ["Manifest", "StoreSpec", "TransportUnavailable", "WeightStore", "WeightSyncError", "version_key"]
+__all__ = ["Manifest", "Part", "StoreSpec", "TransportUnavailable", "WeightStore", "WeightSyncError", "version_key"]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Mapping, Protocol
 
 import torch
 
 from ray_forge.weights.layout import Bucket
 
-TRANSPORTS = ("shm", "object_store", "nccl", "torchstore")
+TRANSPORTS = ("shm", "object_store", "collective", "torchstore")
+PUSH_TRANSPORTS = ("collective",)
+"""Transports where the sender streams into live receivers: the trainer's put and the engines'
+loads must run at the same time, and nothing is stored for a later reader."""
 
 
 class WeightSyncError(RuntimeError):
@@ -29,24 +32,34 @@ class StoreSpec:
     transport: str
     """One of :data:`TRANSPORTS` (already resolved; 'auto' is decided at launch)."""
     sender: str = "trainer-0"
-    """The process that puts versions; named in every error about a lost version."""
+    """The process that puts versions when one process puts the whole state dict; named in errors."""
+    senders: tuple[str, ...] = ()
+    """The trainer ranks that each put their own shards, in rank order; named in errors about a
+    missing part. Empty: one sender, ``sender``."""
     keep_versions: int = 2
     bucket_bytes: int = 128 * 2**20
     """Tensors travel in buckets of at most this size (a larger tensor travels alone)."""
     dtype: str = ""
     """Floating tensors are converted to this dtype on the way (e.g. 'bfloat16'); '' keeps them."""
     timeout_s: float = 120.0
-    """Longest wait for any one put or get."""
+    """Longest wait for any one put or get (for a push: the whole transfer)."""
     receivers: tuple[str, ...] = ()
-    """Named policy actors; only the push transport (nccl) needs them."""
+    """Named policy actors, in order; the push transport (collective) gives each its group ranks."""
+    workers_per_receiver: int = 1
+    """vLLM workers per policy engine (its tensor-parallel size); each is a member of a push group."""
 
     def __post_init__(self) -> None:
+        if self.transport == "nccl":
+            raise ValueError("weights.transport 'nccl' (vLLM's weight-transfer API) was replaced by 'collective', "
+                             "which runs over NCCL on GPUs and gloo on CPUs")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown weight transport {self.transport!r}; choose one of {TRANSPORTS}")
         if self.keep_versions < 1:
             raise ValueError("keep_versions must be >= 1")
         if self.bucket_bytes < 2**16:
             raise ValueError("bucket_bytes must be at least 64 KiB")
+        if self.workers_per_receiver < 1:
+            raise ValueError("workers_per_receiver must be >= 1")
         if self.dtype and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"weights dtype {self.dtype!r} is not a torch dtype")
 
@@ -54,32 +67,77 @@ class StoreSpec:
     def controller_name(self) -> str:
         return f"ray_forge_weights:{self.name}"
 
+    @property
+    def pushes(self) -> bool:
+        return self.transport in PUSH_TRANSPORTS
+
+    def sender_name(self, rank: int, num_ranks: int = 1) -> str:
+        if rank < len(self.senders):
+            return self.senders[rank]
+        return self.sender if num_ranks == 1 else f"trainer rank {rank}"
+
 
 @dataclass(frozen=True)
-class Manifest:
-    """One published version: its layout and where its bytes live (``location`` is per transport)."""
+class Part:
+    """One sender's share of a version: its buckets and where their bytes live (``location`` is
+    per transport). A version put by one process has one part."""
 
     version: int
     sender: str
     transport: str
     buckets: tuple[Bucket, ...]
     location: Any
+    rank: int = 0
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
+
+@dataclass(frozen=True)
+class Manifest:
+    """A published version: every sender's part, in rank order. It is published only once every
+    rank has put its part."""
+
+    version: int
+    parts: tuple[Part, ...]
+
+    @property
+    def sender(self) -> str:
+        return ", ".join(p.sender for p in self.parts)
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        return tuple(b for p in self.parts for b in p.buckets)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
     def names(self) -> list[str]:
-        return [t.name for b in self.buckets for t in b.tensors]
+        """Every tensor of the version once, in group order."""
+        seen: dict[str, None] = {}
+        for _, bucket in self.in_group_order():
+            seen.update((t.name, None) for t in bucket.tensors)
+        return list(seen)
+
+    def in_group_order(self) -> Iterator[tuple[Part, Bucket]]:
+        """Every part's bucket of group 0, then of group 1, ...: the order a receiver reads them in,
+        so that it completes one group of whole tensors before it starts the next."""
+        held = [{b.index: b for b in part.buckets} for part in self.parts]
+        for group in sorted(set().union(*held)):
+            for part, buckets in zip(self.parts, held):
+                if group in buckets:
+                    yield part, buckets[group]
 
 
 class Transport(Protocol):
     """Moves bucket bytes. ``write`` runs in the sender, ``read`` in each receiver (one bucket at
     a time, so a receiver never holds more than about one bucket beyond its model), ``free`` when
-    a version is evicted."""
+    a version is evicted (in the process that wrote the part)."""
 
-    def write(self, version: int, buckets: list[Bucket], state_dict: dict[str, torch.Tensor]) -> Any: ...
+    def write(self, version: int, rank: int, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> Any: ...
 
-    def read(self, manifest: Manifest, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]: ...
+    def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]: ...
 
-    def free(self, manifest: Manifest) -> None: ...
+    def free(self, part: Part) -> None: ...

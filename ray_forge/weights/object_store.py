@@ -17,13 +17,13 @@ import ctypes
 import mmap
 import time
 import warnings
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import ray
 import torch
 
-from ray_forge.weights.base import Manifest, StoreSpec, WeightSyncError
+from ray_forge.weights.base import Part, StoreSpec, WeightSyncError
 from ray_forge.weights.layout import Bucket, pack_into
 
 _LOST = (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError, ray.exceptions.ObjectFetchTimedOutError)
@@ -58,33 +58,33 @@ class ObjectStoreTransport:
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
 
-    def write(self, version: int, buckets: list[Bucket], state_dict: dict[str, torch.Tensor]) -> tuple:
+    def write(self, version: int, rank: int, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> tuple:
         refs = []
         for bucket in buckets:
             array = np.empty(bucket.nbytes, dtype=np.uint8)
-            pack_into(bucket, state_dict, torch.from_numpy(array))
+            pack_into(bucket, tensors, torch.from_numpy(array))
             refs.append(ray.put(array))
             del array  # the object store has its own copy; keep the sender's extra memory to one bucket
         return tuple(refs)
 
-    def read(self, manifest: Manifest, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
-        refs = manifest.location
-        for i, bucket in enumerate(manifest.buckets):
+    def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        refs = part.location
+        for i, bucket in enumerate(part.buckets):
             if i + 1 < len(refs):  # start pulling the next bucket to this node while this one is used
                 ray.wait([refs[i + 1]], fetch_local=True, timeout=0)
-            array = self._get(manifest, refs[i], bucket, deadline)
+            array = self._get(part, refs[i], bucket, deadline)
             yield bucket, as_bytes(array)
             unmap_pages(array)  # the consumer has moved on to the next bucket
 
-    def _get(self, manifest: Manifest, ref, bucket: Bucket, deadline: float) -> np.ndarray:
-        what = f"weights version {manifest.version} from {manifest.sender} (bucket {bucket.index})"
+    def _get(self, part: Part, ref, bucket: Bucket, deadline: float) -> np.ndarray:
+        what = f"weights version {part.version} from {part.sender} (bucket {bucket.index})"
         try:
             return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
             raise WeightSyncError(f"{what} did not arrive within the {self.spec.timeout_s:.0f}s timeout") from None
         except _LOST as err:
-            raise WeightSyncError(f"{what} is lost: {manifest.sender} died or the object was evicted "
+            raise WeightSyncError(f"{what} is lost: {part.sender} died or the object was evicted "
                                   f"({err.__class__.__name__})") from err
 
-    def free(self, manifest: Manifest) -> None:
-        pass  # dropping the last manifest (the controller's) releases the buckets
+    def free(self, part: Part) -> None:
+        pass  # dropping the last reference (the controller's manifest) releases the buckets

@@ -12,12 +12,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import ray
 import torch
 
-from ray_forge.weights.base import Manifest, StoreSpec, WeightSyncError
+from ray_forge.weights.base import Part, StoreSpec, WeightSyncError
 from ray_forge.weights.layout import Bucket, pack_into
 
 
@@ -48,40 +48,51 @@ class SharedMemoryTransport:
         self.spec = spec
         self.root = (root or default_root()) / spec.name
 
-    def version_dir(self, version: int) -> Path:
-        return self.root / f"policy_ver_{version:010d}"
+    def version_dir(self, version: int, rank: int = 0) -> Path:
+        """One folder per rank's part (ranks may share a node)."""
+        return self.root / (f"policy_ver_{version:010d}" + (f"-rank{rank}" if rank else ""))
 
-    def write(self, version: int, buckets: list[Bucket], state_dict: dict[str, torch.Tensor]) -> dict:
-        final = self.version_dir(version)
-        staging = final.with_suffix(".partial")
+    def write(self, version: int, rank: int, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> dict:
+        final = self.version_dir(version, rank)
+        staging = final.with_name(final.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         for bucket in buckets:
             path = staging / f"bucket_{bucket.index:05d}"
             path.touch()
-            pack_into(bucket, state_dict, map_file(path, bucket.nbytes, writable=True))
+            pack_into(bucket, tensors, map_file(path, bucket.nbytes, writable=True))
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)  # a reader never sees a half-written version
         return {"dir": str(final), "node_id": _node_id()}
 
-    def read(self, manifest: Manifest, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
-        here = _node_id()
-        if manifest.location["node_id"] not in (None, here):
+    def check_local(self, manifest) -> None:
+        """Every part of ``manifest`` lies in this node's shared memory (the caller must run in Ray)."""
+        for part in manifest.parts:
+            self._check_node(part, _node_id())
+
+    @staticmethod
+    def _check_node(part: Part, here: str | None) -> None:
+        if part.location["node_id"] not in (None, here):
             raise WeightSyncError(
-                f"weights version {manifest.version} from {manifest.sender} are in shared memory on node "
-                f"{manifest.location['node_id']}, but this process runs on node {here}; "
+                f"weights version {part.version} from {part.sender} are in shared memory on node "
+                f"{part.location['node_id']}, but this process runs on node {here}; "
                 "use weights.transport=object_store (or auto) when policies and trainer are on different nodes")
-        folder = Path(manifest.location["dir"])
-        for bucket in manifest.buckets:
+
+    def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        here = _node_id()
+        if here is not None:  # without Ray (a tensor-parallel engine's worker) the policy actor checked it
+            self._check_node(part, here)
+        folder = Path(part.location["dir"])
+        for bucket in part.buckets:
             try:
                 yield bucket, map_file(folder / f"bucket_{bucket.index:05d}", bucket.nbytes, writable=False)
             except FileNotFoundError:
-                raise WeightSyncError(f"weights version {manifest.version} from {manifest.sender} was deleted "
+                raise WeightSyncError(f"weights version {part.version} from {part.sender} was deleted "
                                       f"while being read (bucket {bucket.index} of {folder} is gone)") from None
 
-    def free(self, manifest: Manifest) -> None:
+    def free(self, part: Part) -> None:
         # Readers that still map a bucket keep its pages until they unmap (tmpfs semantics).
-        shutil.rmtree(manifest.location["dir"], ignore_errors=True)
+        shutil.rmtree(part.location["dir"], ignore_errors=True)
 
     def destroy(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
-from ray_forge.weights.base import Manifest, StoreSpec, TransportUnavailable
+from ray_forge.weights.base import Part, StoreSpec, TransportUnavailable
 from ray_forge.weights.layout import Bucket, pack_into
 
 
@@ -34,25 +34,25 @@ class TorchStoreTransport:
         self.spec = spec
         self.ts = import_torchstore()
 
-    def _key(self, version: int, index: int) -> str:
-        return f"{self.spec.name}/policy_ver_{version:010d}/bucket_{index:05d}"
+    def _key(self, version: int, rank: int, index: int) -> str:
+        return f"{self.spec.name}/policy_ver_{version:010d}/rank_{rank:03d}/bucket_{index:05d}"
 
-    def write(self, version: int, buckets: list[Bucket], state_dict: dict[str, torch.Tensor]) -> list[str]:
+    def write(self, version: int, rank: int, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> list[str]:
         keys = []
         for bucket in buckets:
             packed = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            pack_into(bucket, state_dict, packed)
-            keys.append(self._key(version, bucket.index))
+            pack_into(bucket, tensors, packed)
+            keys.append(self._key(version, rank, bucket.index))
             asyncio.run(asyncio.wait_for(self.ts.put(keys[-1], packed), timeout=self.spec.timeout_s))
         return keys
 
-    def read(self, manifest: Manifest, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
-        for key, bucket in zip(manifest.location, manifest.buckets):
+    def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        for key, bucket in zip(part.location, part.buckets):
             buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
             wait_s = max(0.0, deadline - time.monotonic())
             asyncio.run(asyncio.wait_for(self.ts.get(key, inplace_tensor=buffer), timeout=wait_s))
             yield bucket, buffer
 
-    def free(self, manifest: Manifest) -> None:
-        for key in manifest.location:
+    def free(self, part: Part) -> None:
+        for key in part.location:
             asyncio.run(self.ts.delete(key))
