@@ -157,6 +157,11 @@ async def check_sync(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: 
         log.warning("step %d: policy-0 is restarting; the sync check waits for the next one", step)
         return {}
     try:
+        if (held := await call(actors.policies[0].get_version.remote(), timeout_s=60,
+                               what="policy-0.get_version")) != step:
+            log.warning("step %d: policy-0 holds version %d (a push failed or it restarted); the sync check waits "
+                        "for the next one", step, held)
+            return {}
         return await sync_check.check(actors.policies[0], actors.trainer, hooks.probe_prompts(config),
                                       seed=config.run.seed + step, tolerance=config.run.sync_check_tolerance,
                                       timeout_s=config.policy.call_timeout_s)
@@ -174,7 +179,14 @@ async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fl
         await fleet.ready("policy-0")
         await fleet.ready("env-0")
         try:
-            return await hooks.evaluate(config, actors, mc_games)
+            # No push runs during an evaluation (both are steps of the training loop), so this is
+            # the version evaluated; over a push transport a restarted engine may be behind.
+            version = await call(actors.policies[0].get_version.remote(), timeout_s=60, what="policy-0.get_version")
+            if version != fleet.version:
+                log.warning("policy-0 holds weights version %d, not %d (it missed a push): evaluating what it holds",
+                            version, fleet.version)
+            result, row = await hooks.evaluate(config, actors, mc_games)
+            return dict(result, policy_version=version), dict(row, eval_policy_version=version)
         except RemoteCallError as err:
             if not err.died or err.actor not in fleet.members or attempt == 2:
                 raise
@@ -253,7 +265,9 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
                 _, eval_row = await evaluate(config, hooks, actors, fleet, 0)
                 row.update(eval_row)
                 progress.evals.append(dict(eval_row, step=step))
-                if config.run.keep_best and eval_row["eval_return"] > progress.best.get("eval_return", float("-inf")):
+                # The best policy is saved from the trainer: only an evaluation of the same weights may pick it.
+                if (config.run.keep_best and eval_row["eval_policy_version"] == step
+                        and eval_row["eval_return"] > progress.best.get("eval_return", float("-inf"))):
                     progress.best = dict(eval_row, step=step)
                     await save_policy(actors, actors.model_dir, run_dir / "best_policy", step, config.trainer.dtype)
             progress.step, progress.row = step, row
@@ -342,6 +356,8 @@ async def resume(actors: Actors, fleet: Fleet, run: Run, run_step: int, buffer_s
                               f"the driver's state at step {run_step}")
     buffered = await call(actors.buffer.load_state.remote(buffer_state), timeout_s=60, what="buffer.load_state")
     await push_weights(actors, fleet, version)
+    if fleet.serving != version:  # rollouts wait for the restored version: none would ever start
+        raise FleetError(f"the restored weights (version {version}) reached no engine; see the errors above")
     log.info("resumed %s from %s: step %d, policy version %d, %d games buffered, next batch %d", run.run_dir,
              run.resume_from.name, run_step, version, buffered, buffer_state["next_batch"])
     return buffer_state["next_batch"]

@@ -25,6 +25,10 @@ class FleetError(RuntimeError):
     """No live member of a role is left, or a batch failed on every one."""
 
 
+MAX_FAILED_PUSHES = 3
+"""Consecutive weight pushes that may fail (engines keep their version) before the run stops."""
+
+
 class Fleet:
     def __init__(self, policies: list, envs: list, *, policy_timeout_s: float, env_timeout_s: float) -> None:
         self.members = {f"policy-{i}": p for i, p in enumerate(policies)} | {f"env-{i}": e for i, e in enumerate(envs)}
@@ -33,6 +37,8 @@ class Fleet:
         self.pids: dict[str, int] = {}
         self.version = 0
         """The policy version every engine should hold: the newest pushed (a restarted one is brought to it)."""
+        self.failed_pushes = 0
+        """Pushes in a row that left some engine on its old version."""
         self.serving = 0
         """The version every live engine holds: ``version`` once its push has finished."""
         self.spec = None
@@ -171,7 +177,15 @@ class Fleet:
         finally:
             if session is not None:
                 await close_push(spec, version)
-        if all(r is not None for r in results):
+        failed = [name for name, r in zip(names, results) if r is None]
+        if failed or (session is not None and not live):
+            # Rollouts wait for a served version: pushes that keep failing would stall the run.
+            self.failed_pushes += 1
+            if self.failed_pushes >= MAX_FAILED_PUSHES:
+                raise FleetError(f"weights could not be pushed to {failed or 'any engine'} {self.failed_pushes} times "
+                                 f"in a row (last: version {version}); see the errors above")
+        else:
+            self.failed_pushes = 0
             self.serving = version
         return max((r for r in results if r is not None), default=0.0)
 

@@ -223,7 +223,9 @@ class GRPOConfig:
     tis_cap: float = 0.0
     """Truncated importance sampling (see ``ray_forge.grpo.grpo_loss``): weight each token by
     min(pi_trainer / pi_engine, tis_cap). 0: off. Use it (e.g. 2.0) when the engine samples in
-    bf16 and the trainer computes otherwise: the step metric ``logprob_diff`` shows the gap."""
+    bf16 and the trainer computes otherwise: the step metric ``logprob_diff`` shows the gap.
+    With one optimizer step per batch the PPO clip then never acts (its ratio is the trainer's
+    against itself): the cap is what bounds a token's weight."""
     token_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
 
 
@@ -315,9 +317,12 @@ class JobConfig:
         from ray_forge.config import ConfigError
 
         tp, engine = self.policy.tensor_parallel_size, self.policy.resources
-        if engine.num_gpus and engine.num_gpus != tp:
+        if tp > 1 and engine.num_gpus and engine.num_gpus != tp:
             raise ConfigError(f"policy.resources.num_gpus ({engine.num_gpus:g}) must equal policy.tensor_parallel_size "
                               f"({tp}): an engine's workers get their GPUs from its placement bundle")
+        if tp > 1 and self.weights.transport not in ("auto", "shm"):
+            raise ConfigError(f"policy.tensor_parallel_size > 1 needs weights.transport shm (or auto on one node), "
+                              f"not {self.weights.transport}: a tensor-parallel engine's workers run outside Ray")
         if tp > 1 and not engine.num_gpus and engine.num_cpus < tp:
             raise ConfigError(f"policy.resources.num_cpus ({engine.num_cpus:g}) must be at least "
                               f"policy.tensor_parallel_size ({tp}): on CPU each worker is bound to its own cores")

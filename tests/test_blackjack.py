@@ -14,7 +14,9 @@ def test_render_shows_the_cards_that_matter():
 
 @pytest.mark.parametrize("text, action", [
     ("HIT", 1), ("stick", 0), (" Stand.", 0), ('"Hit!"', 1), ("hit me", 1), ("\n STICK, please", 0),
-    ("\u201cSTICK\u201d", 0), ("STICK because HIT is risky", 0),
+    ("\u201cSTICK\u201d", 0), ("HIT, HIT!", 1), ("STICK: standing is safer", 0),
+    # An answer that names both actions echoes the question: it is no decision.
+    ("HIT or STICK?", None), ("HIT, no STICK", None), ("hit\nstick", None), ("STICK because HIT is risky", None),
     # Only the answer's first word counts: echoes and hedges are invalid, not their first action word.
     ("HIT/STICK", None), (" I will Stand.", None), ("I would not hit, STICK", None),
     (render_state(State(14, 10, False)), None), ("", None), ("hitting", None), ("<unk> <pad>", None)])

@@ -92,3 +92,11 @@ def test_a_two_worker_engine_matches_the_trainer_after_a_sync(ray_cluster, tiny_
         store.destroy()
         ray_cluster.kill(rank)
         ray_cluster.kill(policy)
+
+
+def test_tensor_parallel_refuses_transports_its_workers_cannot_reach():
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 needs weights.transport shm"):
+        load_config(JobConfig, overrides=["policy.tensor_parallel_size=2", "policy.resources.num_cpus=2",
+                                          "weights.transport=collective"])
+    # One worker may share a GPU with another engine.
+    assert load_config(JobConfig, overrides=["policy.resources.num_gpus=0.5"]).policy.resources.num_gpus == 0.5

@@ -39,12 +39,16 @@ def parse_action(text: str) -> int | None:
     STAND (any case, surrounding punctuation ignored); None otherwise.
 
     Only the first word counts: an answer that echoes the prompt ("Your sum is 14 ... HIT or
-    STICK?") or hedges ("I would not hit, STICK") is invalid, not whichever word it names first.
+    STICK?") or hedges ("I would not hit, STICK") is invalid, not whichever word it names first;
+    so is one that goes on to name the other action ("HIT or STICK?", "HIT, no STICK"), which
+    would otherwise win by echoing the question's own words.
     Training rewards (``BlackjackTextEnv.step``) and evaluation both read answers here."""
-    words = text.split(maxsplit=1)
-    if not words:
+    actions = [_ACTIONS.get(word.strip(_SURROUNDING).lower()) for word in text.split()]
+    if not actions or actions[0] is None:
         return None
-    return _ACTIONS.get(words[0].strip(_SURROUNDING).lower())
+    if any(a is not None and a != actions[0] for a in actions[1:]):
+        return None
+    return actions[0]
 
 
 def outcome_text(reward: float) -> str:

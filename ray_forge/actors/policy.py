@@ -211,7 +211,14 @@ class VLLMPolicy:
             manifest = store.manifest(version)
             if spec.transport == "shm":
                 store.transport.check_local(manifest)
-            self.llm.collective_rpc("pull_weights", args=(spec, manifest))
+            try:
+                self.llm.collective_rpc("pull_weights", args=(spec, manifest))
+            except Exception:
+                # A pull streams into the live weights: one that fails part-way leaves a mix of
+                # two versions. Version -1 is older than any the buffer keeps, so the games played
+                # on it are dropped until a later update loads a whole version.
+                self.version = -1
+                raise
         # Cached prefixes hold keys/values of the old weights.
         self.llm.reset_prefix_cache()
         self.version = version
