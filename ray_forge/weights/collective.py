@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -203,8 +204,10 @@ class CollectiveTransport:
         client = self._store(session)
         try:
             self._send(part, tensors, session, client, deadline)
-        except WeightSyncError as err:
-            self._fail(store, session, str(err))
+        except Exception as err:
+            # Any failure (packing a bucket included) is told to everyone, or the receivers would wait it out.
+            self._fail(store, session, str(err) if isinstance(err, WeightSyncError)
+                       else f"{part.sender}: {type(err).__name__}: {err}")
             if not isinstance(err, _BroadcastFailed):
                 raise
             # Our groups are aborted: survivors fail at once and report; the silent ones are the dead or stuck.
@@ -445,6 +448,10 @@ def tensors_digest(named_tensors) -> str:
 def _new_group(store, rank: int, size: int, timeout: timedelta, device: torch.device):
     """A process group outside the default one: NCCL between GPUs, gloo between CPUs."""
     if device.type == "cuda":
+        # NCCL builds its communicator inside the first collective, blocking by default: a peer
+        # dead by then would hang it past our polling of the broadcast. Non-blocking, the wait on
+        # the work (which our deadline polls) covers it. Not yet run on a GPU.
+        os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
