@@ -80,8 +80,9 @@ class WeightReceiverExtension:
         return self._rf_reload(staged)
 
     def weights_digest(self) -> str | None:
-        """Digest of the last version received over the collective transport, as the engine
-        loaded it (names, dtypes, shapes and bytes of the whole tensors); None before any."""
+        """Digest of the last version received over the collective transport, as it was staged
+        and handed to ``reload_weights`` (names, dtypes, shapes and bytes of the whole tensors);
+        None before any. What the engine computes with it is checked by comparing logits."""
         from ray_forge.weights.collective import tensors_digest
 
         staged = getattr(self, "_rf_staged", None)
