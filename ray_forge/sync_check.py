@@ -43,7 +43,7 @@ def compare(greedy: list[Turn], greedy_scored: list[Scored], sampled: list[Turn]
 async def check(policy, trainer, prompts: list[str], *, seed: int, tolerance: float, timeout_s: float,
                 name: str = "policy-0") -> dict[str, float]:
     """Ask ``policy`` (an engine actor) and ``trainer`` (a TrainerGroup) about ``prompts``; log an
-    error naming the worst prompt when they disagree beyond ``tolerance``."""
+    error when they disagree beyond ``tolerance``."""
     greedy = await call(policy.generate.remote(prompts, True), timeout_s=timeout_s, what=f"{name}.generate")
     sampled = await call(policy.generate.remote(prompts, False, seed), timeout_s=timeout_s, what=f"{name}.generate")
     scored = await trainer.score([(t.prompt_ids, t.response_ids) for t in greedy + sampled])

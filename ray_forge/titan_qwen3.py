@@ -82,8 +82,9 @@ def build_qwen3(hf_dir: str | Path, device_type: str = "cpu"):
 def build_sharded_qwen3(hf_dir: str | Path, world_size: int, device_type: str = "cpu",
                         param_dtype: str = "float32"):
     """(model, adapter): built on the meta device, sharded with FSDP2, then each rank loads only
-    its own rows of each weight, one tensor at a time. No rank holds the whole model: the peak
-    beyond the shard is one full tensor (the embedding, for a large vocabulary)."""
+    its own rows of each weight, one tensor at a time. No rank holds the whole model: beyond the
+    shard it holds one full tensor, and briefly the attention projections that TorchTitan's
+    fused-QKV state-dict hooks gather."""
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
     config = qwen3_config(hf_dir, device_type)
