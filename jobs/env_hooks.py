@@ -32,7 +32,8 @@ async def blackjack_eval(config: JobConfig, actors: Actors, mc_games: int) -> tu
     """Exact return (and optionally Monte Carlo) of policy-0's greedy decision table; an
     unparseable answer is worth the run's ``env.invalid_action_penalty``, as in training."""
     def decide(prompts: list[str]) -> list[str]:
-        return [c.text for c in get(actors.policies[0].generate.remote(prompts, True),
+        # Ahead of the rollouts' requests: the training loop waits for this evaluation.
+        return [c.text for c in get(actors.policies[0].generate.remote(prompts, True, None, -1),
                                     timeout_s=config.policy.call_timeout_s, what="policy-0.generate")]
     result = await asyncio.get_running_loop().run_in_executor(
         None, lambda: evaluate(decide, mc_games=mc_games, invalid_action_penalty=config.env.invalid_action_penalty))

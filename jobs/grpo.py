@@ -45,7 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # env_hooks, beside th
 from env_hooks import EnvHooks, env_hooks, rollout_settings  # noqa: E402
 from ray_forge import checkpoint, cluster, sync_check  # noqa: E402
 from ray_forge.actors.buffer import COUNTERS  # noqa: E402
-from ray_forge.batch import groups_to_samples  # noqa: E402
 from ray_forge.chaos import chaos_monkey  # noqa: E402
 from ray_forge.checkpoint import CheckpointError  # noqa: E402
 from ray_forge.config import ConfigError  # noqa: E402
@@ -70,6 +69,8 @@ class LoopState:
     generated_tokens: int = 0
     played_games: int = 0
     rollout_seconds: float = 0.0
+    batch_seconds: list[float] = dataclasses.field(default_factory=list)
+    """How long each batch finished since the last metrics row was in play."""
     chaos_kills: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -89,36 +90,58 @@ class Progress:
 
 
 async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: LoopState, batch: int) -> None:
-    """Consumes the policy engines and env pools; produces scored GRPO groups into the buffer.
+    """Hands out batches of seeds to the rollout workers (the env actors), which play them against
+    the policy engines and put the scored groups into the buffer: only counts come back here.
 
-    Starts at batch ``batch`` (the buffer's saved position on resume). Waits while it is more
-    than ``buffer.max_policy_lag`` batches ahead of the weights the engines hold, so it keeps
-    playing during a train step but never far ahead of the weights; with a lag of 0 every batch
-    is played by the newest weights only. Stops when ``state.stop`` is set, after the batch in play.
+    Starts at batch ``batch`` (the buffer's saved position on resume). A batch starts as soon as
+    it is at most ``buffer.max_policy_lag`` batches ahead of the weights the engines hold, even
+    while the one before is still in play: the engines batch the turns of both. With a lag of 0
+    every batch is played by the newest weights only. Stops when ``state.stop`` is set, after
+    the batches in play.
     """
     settings = rollout_settings(config)
     num_groups = config.grpo.games_per_step // config.grpo.group_size
     num_chunks = max(len(actors.policies), len(actors.envs))
-    while not state.stop.is_set():
-        if batch > fleet.serving + config.buffer.max_policy_lag:
-            await asyncio.sleep(0.01)
-            continue
+    playing: set[asyncio.Task] = set()
+    busy_since = None
+
+    async def play(batch: int) -> None:
+        start = time.monotonic()
         group_ids = range(batch * num_groups, (batch + 1) * num_groups)
         groups = [(gid, config.run.seed * 1_000_003 + gid) for gid in group_ids]
-        start = time.monotonic()
-        results = await asyncio.gather(*(fleet.play(i, groups[i::num_chunks], settings, key=batch * num_chunks + i)
-                                         for i in range(num_chunks)))
-        played = [group for chunk in results for group in chunk]
-        # The batch and the position after it go in together, so a checkpoint never has one without the other.
-        await call(actors.buffer.add.remote(played, batch + 1), timeout_s=60, what="buffer.add")
-        state.rollout_seconds += time.monotonic() - start
-        state.generated_tokens += sum(len(t.response_ids) for g in played for e in g for t in e.turns)
-        state.played_games += sum(len(g) for g in played)
-        batch += 1
+        counts = await asyncio.gather(*(
+            fleet.play(i, groups[i::num_chunks], settings, key=batch * num_chunks + i,
+                       sink=(actors.buffer, batch, i, num_chunks))
+            for i in range(num_chunks)))
+        state.generated_tokens += sum(c["tokens"] for c in counts)
+        state.played_games += sum(c["games"] for c in counts)
+        state.batch_seconds.append(time.monotonic() - start)
+
+    try:
+        while not state.stop.is_set() or playing:
+            if not state.stop.is_set() and batch <= fleet.serving + config.buffer.max_policy_lag:
+                playing.add(asyncio.create_task(play(batch)))
+                busy_since = busy_since or time.monotonic()
+                batch += 1
+                continue
+            if not playing:
+                await asyncio.sleep(0.01)
+                continue
+            done, playing = await asyncio.wait(playing, timeout=0.01, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a batch that failed on every pair stops the run
+            if not playing and busy_since is not None:
+                state.rollout_seconds += time.monotonic() - busy_since
+                busy_since = None
+    finally:
+        for task in playing:
+            task.cancel()
 
 
-async def next_batch(config: JobConfig, actors: Actors, state: LoopState, rollout: asyncio.Task) -> list:
-    """The next ``games_per_step`` games from the buffer; fails if the rollout loop died."""
+async def next_batch(config: JobConfig, actors: Actors, state: LoopState,
+                     rollout: asyncio.Task) -> tuple[dict, ray.ObjectRef]:
+    """The next ``games_per_step`` games, made into samples by the buffer: (their statistics, a
+    reference to the samples, which the trainer fetches itself); fails if the rollout loop died."""
     # A backstop only: every call of the rollout has its own timeout, and a batch may need a
     # generate and a step per turn, and a replay after a restart, before it is in the buffer.
     limit_s = 2 * (config.env.max_turns + 1) * (config.policy.call_timeout_s + config.env.call_timeout_s)
@@ -127,27 +150,33 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState, rollou
         if rollout.done():
             rollout.result()  # re-raises the rollout's error
             raise RuntimeError("rollout loop stopped before training finished")
-        groups = await call(actors.buffer.sample.remote(config.grpo.games_per_step, state.trainer_version),
-                            timeout_s=60, what="buffer.sample")
-        if groups is not None:
-            return groups
+        batch = await call(actors.buffer.sample_batch.remote(config.grpo.games_per_step, state.trainer_version,
+                                                             config.trainer.merge_identical),
+                           timeout_s=60, what="buffer.sample_batch")
+        if batch is not None:
+            return batch
         await asyncio.sleep(0.01)
     raise TimeoutError(f"no training batch within {limit_s:.0f}s")
 
 
 async def push_weights(actors: Actors, fleet: Fleet, version: int) -> dict[str, float]:
-    """The trainer puts ``version`` in the weight store; every live policy loads it in place.
-    Over a push transport (collective) the trainer's broadcast and the engines' receive run together."""
+    """The trainer puts ``version`` in the weight store; every live policy loads it in place,
+    between two engine steps (generation pauses for the load, not for the requests in flight).
+    Over a push transport (collective) the trainer's broadcast and the engines' receive run together.
+
+    Returns seconds: the whole sync, the trainer's publish, and the slowest engine's load (its own
+    pull), time generation stood still (``gen_paused_s``) and wait for the step loop to take it."""
     start = time.monotonic()
     spec = actors.store.spec
     if spec.pushes:
-        publish_s, load_s = await asyncio.gather(actors.trainer.publish_weights(spec, version),
-                                                 fleet.push(spec, version))
+        publish_s, engines = await asyncio.gather(actors.trainer.publish_weights(spec, version),
+                                                  fleet.push(spec, version))
     else:
         publish_s = await actors.trainer.publish_weights(spec, version)
-        # A policy finishes its current generate call first, so this wait includes that.
-        load_s = await fleet.push(spec, version)
-    return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s, "weight_load_s": load_s}
+        engines = await fleet.push(spec, version)
+    return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s,
+            "weight_load_s": engines.get("load_s", 0.0), "gen_paused_s": engines.get("paused_s", 0.0),
+            "weight_wait_s": engines.get("waited_s", 0.0)}
 
 
 async def check_sync(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet, step: int) -> dict:
@@ -193,6 +222,15 @@ async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fl
             log.warning("%s; evaluating again once it is back", err)
             fleet.recover(err.actor)
     raise AssertionError("unreachable")
+
+
+async def timed(work, key: str) -> tuple[object, dict[str, float]]:
+    """(what the awaitable ``work`` returns, {key: seconds it took}); (None, {}) for no work."""
+    if work is None:
+        return None, {}
+    start = time.monotonic()
+    result = await work
+    return result, {key: time.monotonic() - start}
 
 
 def _inner(err: ray.exceptions.RayTaskError) -> str:
@@ -244,26 +282,32 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
     try:
         for step in range(progress.step + 1, config.run.steps + 1):
             step_start = time.monotonic()
-            groups = await next_batch(config, actors, state, rollout)
-            samples, batch_stats = groups_to_samples(groups, merge=config.trainer.merge_identical)
-            if actors.reference is not None and samples:
-                ref = await call(actors.reference.logprobs.remote(samples), timeout_s=config.reference.call_timeout_s,
-                                 what="ref.logprobs")
-                samples = [dataclasses.replace(s, ref_logprobs=r) for s, r in zip(samples, ref)]
-            train_stats = await actors.trainer.train_step(samples)
-            policy_lag = state.trainer_version - batch_stats["sample_policy_version"]
+            batch_stats, samples = await next_batch(config, actors, state, rollout)
+            ref = None
+            if actors.reference is not None and batch_stats["num_rows"]:
+                ref = actors.reference.logprobs.remote(samples)
+                await call(ref, timeout_s=config.reference.call_timeout_s, what="ref.logprobs")
+            train_start = time.monotonic()
+            train_stats = await actors.trainer.train_step(samples, ref)
+            train_stats["train_s"] = time.monotonic() - train_start
             state.trainer_version = step
             sync = await push_weights(actors, fleet, step)
-            if config.run.sync_check_every and step % config.run.sync_check_every == 0:
-                sync.update(await check_sync(config, hooks, actors, fleet, step))
+            sync_check_due = bool(config.run.sync_check_every) and step % config.run.sync_check_every == 0
+            eval_due = bool(config.run.eval_every) and (step % config.run.eval_every == 0 or step == config.run.steps)
+            # Both only read policy-0 and the trainer: side by side.
+            (checked, check_s), (evaluated, eval_s) = await asyncio.gather(
+                timed(check_sync(config, hooks, actors, fleet, step) if sync_check_due else None, "sync_check_s"),
+                timed(evaluate(config, hooks, actors, fleet, 0) if eval_due else None, "eval_s"))
+            sync.update(checked or {}, **check_s)
             rollout_s = max(state.rollout_seconds, 1e-9)
             buffer_stats = await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats")
-            row = dict(**batch_stats, **train_stats, **sync, policy_lag=policy_lag,
+            batch_s, state.batch_seconds = state.batch_seconds, []
+            row = dict(**batch_stats, **train_stats, **sync, rollout_batch_s=sum(batch_s) / len(batch_s) if batch_s else None,
                        tokens_per_s=state.generated_tokens / rollout_s, episodes_per_s=state.played_games / rollout_s,
                        **accounting(buffer_stats, fleet, state, carried))
-            if config.run.eval_every and (step % config.run.eval_every == 0 or step == config.run.steps):
-                _, eval_row = await evaluate(config, hooks, actors, fleet, 0)
-                row.update(eval_row)
+            if evaluated is not None:
+                _, eval_row = evaluated
+                row.update(eval_row, **eval_s)
                 progress.evals.append(dict(eval_row, step=step))
                 # The best policy is saved from the trainer: only an evaluation of the same weights may pick it.
                 if (config.run.keep_best and eval_row["eval_policy_version"] == step

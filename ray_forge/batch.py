@@ -64,17 +64,23 @@ def response_logprobs(batch: TensorBatch, logprobs_BT: torch.Tensor) -> list[tup
     return rows
 
 
-def groups_to_samples(groups: list[list[Episode]], merge: bool) -> tuple[list[Sample], dict[str, float]]:
-    """GRPO advantages within each group, zero-variance groups dropped, turns flattened to samples."""
+def groups_to_samples(groups: list[list[Episode]], merge: bool,
+                      trainer_version: int = 0) -> tuple[list[Sample], dict[str, float]]:
+    """GRPO advantages within each group, zero-variance groups dropped, turns flattened to samples.
+
+    ``policy_lag`` and ``policy_lag_max``: versions between the weights that sampled each trained
+    token and ``trainer_version`` (the weights the trainer takes the step from), token mean and max."""
     episodes = [e for group in groups for e in group]
     rewards = torch.tensor([e.reward for e in episodes])
     advantages, keep = group_advantages(rewards, group_size=len(groups[0]))
     kept = [(e, a) for e, a, k in zip(episodes, advantages.tolist(), keep.tolist()) if k]
     samples = episodes_to_samples([e for e, _ in kept], [a for _, a in kept])
+    lags = [trainer_version - v for s in samples for v in s.token_versions]
     stats = dict(train_reward=float(rewards.mean()), num_games=len(episodes),
                  groups_kept=float(keep.float().mean()), num_samples=len(samples),
                  env_errors=sum(e.error is not None for e in episodes),
-                 sample_policy_version=sum(s.policy_version for s in samples) / max(1, len(samples)))
+                 sample_policy_version=sum(s.policy_version for s in samples) / max(1, len(samples)),
+                 policy_lag=sum(lags) / max(1, len(lags)), policy_lag_max=max(lags, default=0))
     if merge:
         samples = merge_identical(samples)
     stats["num_rows"] = len(samples)

@@ -16,8 +16,15 @@ class Turn:
     logprobs: tuple[float, ...]
     """Behaviour logprob of each response token, as reported by the engine."""
     policy_version: int
+    """The oldest weights that sampled any of its tokens."""
     text: str = ""
     """The decoded response (what the env parsed)."""
+    token_versions: tuple[int, ...] = ()
+    """The policy version that sampled each response token: a weight update can land while a
+    completion is being generated (empty: all tokens are ``policy_version``'s)."""
+
+    def versions(self) -> tuple[int, ...]:
+        return self.token_versions or (self.policy_version,) * len(self.response_ids)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ class Sample:
     weight: float = 1.0
     """How many identical samples this row stands for."""
     ref_logprobs: tuple[float, ...] | None = field(default=None)
+    token_versions: tuple[int, ...] = ()
+    """The policy version that sampled each response token (see ``Turn.token_versions``)."""
 
 
 def episodes_to_samples(episodes: list[Episode], advantages: list[float]) -> list[Sample]:
@@ -63,22 +72,23 @@ def episodes_to_samples(episodes: list[Episode], advantages: list[float]) -> lis
                     behaviour_logprobs=turn.logprobs,
                     advantage=advantage,
                     policy_version=turn.policy_version,
+                    token_versions=turn.versions(),
                 )
             )
     return samples
 
 
 def merge_identical(samples: list[Sample]) -> list[Sample]:
-    """Merge samples with the same tokens, policy version and advantage sign.
+    """Merge samples with the same tokens, policy version of each token and advantage sign.
 
-    Same tokens and version mean the same behaviour logprobs, hence the same ratio; for one
+    Same tokens and versions mean the same behaviour logprobs, hence the same ratio; for one
     sign, min(r*A, clip(r)*A) is linear in A, so a row with the summed advantage and the
     count as weight gives exactly the loss and gradient of the separate rows.
     """
     merged: dict[tuple, Sample] = {}
     for sample in samples:
         sign = (sample.advantage > 0) - (sample.advantage < 0)
-        key = (sample.token_ids, sample.policy_version, sign)
+        key = (sample.token_ids, sample.token_versions, sample.policy_version, sign)
         if key in merged:
             row = merged[key]
             row.advantage += sample.advantage

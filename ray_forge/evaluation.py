@@ -1,7 +1,7 @@
-"""Greedy evaluation through the env pool: every task once, scored exactly as in training.
+"""Greedy evaluation through the env pool: every task once, scored exactly as in training (the
+env actor plays the games itself, as a rollout worker does).
 
-Takes actor handles as parameters (like :mod:`ray_forge.rollout`), so a test can drive it with
-plain objects wrapped in Ray.
+Takes actor handles as parameters, so a test can drive it with plain objects wrapped in Ray.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import dataclasses
 from collections import Counter
 from typing import Protocol
 
-from ray_forge.rollout import RolloutSettings, play_groups
+from ray_forge.remote import call
+from ray_forge.rollout import RolloutSettings
 
 EVAL_KEY = -1
 """Env-pool batch key of evaluations. The rollout loop's keys count up from 0, so an evaluation
@@ -30,8 +31,9 @@ async def greedy_pass_rate(policy, env_pool, tasks: list[TaskLike], settings: Ro
     and ``tasks``: one row per task with its reward, error and completion.
     """
     settings = dataclasses.replace(settings, group_size=1, greedy=True)
-    groups = await play_groups(policy, "policy-0", env_pool, "env-0", [(i, i) for i in range(len(tasks))],
-                               settings, key=EVAL_KEY)
+    limit_s = (settings.max_turns + 1) * (settings.policy_timeout_s + settings.env_timeout_s)
+    groups = await call(env_pool.play.remote(policy, "policy-0", [(i, i) for i in range(len(tasks))], settings,
+                                             EVAL_KEY), timeout_s=limit_s, what="env-0.play")
     rows = [dict(id=task.id, kind=task.kind, reward=episode.reward, error=episode.error,
                  completion="".join(turn.text for turn in episode.turns))
             for task, (episode,) in zip(tasks, groups, strict=True)]

@@ -16,7 +16,7 @@ import time
 
 from ray_forge.episode import Episode
 from ray_forge.remote import RemoteCallError, call
-from ray_forge.rollout import RolloutSettings, play_groups
+from ray_forge.rollout import RolloutSettings
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +53,19 @@ class Fleet:
         self.pids = {name: pid for name, (pid, _) in zip(self.members, answers)}
 
     # -- playing ---------------------------------------------------------------------------
-    async def play(self, chunk: int, groups: list[tuple[int, int]], settings: RolloutSettings,
-                   key: int) -> list[list[Episode]]:
-        """Play ``groups`` on the chunk's pair, replaying them elsewhere if a member dies."""
+    async def play(self, chunk: int, groups: list[tuple[int, int]], settings: RolloutSettings, key: int,
+                   sink: tuple | None = None) -> list[list[Episode]] | dict[str, int]:
+        """Play ``groups`` on the chunk's pair: the env actor runs the games against the policy
+        engine (``EnvPool.play``) and, with ``sink``, puts them in the buffer itself. If either
+        dies the groups are replayed on another pair from their seeds."""
         attempts = 2 * max(self.num.values()) + 2
+        # A backstop: every call the worker makes has its own timeout.
+        limit_s = (settings.max_turns + 1) * (settings.policy_timeout_s + settings.env_timeout_s) + 60
         for attempt in range(attempts):
             policy, env = await self._pick("policy", chunk + attempt), await self._pick("env", chunk + attempt)
             try:
-                return await play_groups(self.members[policy], policy, self.members[env], env, groups, settings,
-                                         key=key)
+                return await call(self.members[env].play.remote(self.members[policy], policy, groups, settings, key,
+                                                                sink), timeout_s=limit_s, what=f"{env}.play")
             except RemoteCallError as err:
                 if not err.died or err.actor not in self.members:
                     raise
@@ -152,9 +156,9 @@ class Fleet:
             raise FleetError(f"{name} is gone for good")
 
     # -- weights ---------------------------------------------------------------------------
-    async def push(self, spec, version: int) -> float:
+    async def push(self, spec, version: int) -> dict[str, float]:
         """Every live engine loads ``version``; one that dies meanwhile is synced when it is back.
-        Returns the slowest load in seconds.
+        Returns the largest of each engine's timings (``VLLMPolicy.update_weights``).
 
         Pull transports: the version is already published. A push transport (collective): the
         trainer's ``publish_weights`` must run at the same time; the push is opened for the live
@@ -187,18 +191,19 @@ class Fleet:
         else:
             self.failed_pushes = 0
             self.serving = version
-        return max((r for r in results if r is not None), default=0.0)
+        loaded = [r for r in results if r is not None]
+        return {key: max(r[key] for r in loaded if key in r) for key in {k for r in loaded for k in r}}
 
-    async def _update(self, name: str, spec, version: int, session=None) -> float | None:
-        """Seconds ``name`` took to load ``version``; None when its push failed and it kept its
-        previous version (push transport only)."""
+    async def _update(self, name: str, spec, version: int, session=None) -> dict[str, float] | None:
+        """The timings of ``name``'s load of ``version`` (none if it was restarting); None when its
+        push failed and it kept its previous version (push transport only)."""
         import ray
 
         from ray_forge.weights import WeightSyncError
         from ray_forge.weights.collective import push_failed
 
         if name in self._recovering or name in self.lost:
-            return 0.0  # it syncs to self.version when it is back
+            return {}  # it syncs to self.version when it is back
         # A push bounds its own waits by spec.timeout_s and names the peer; leave it room to say so.
         timeout_s = spec.timeout_s + (60 if session is not None else 0)
         try:
@@ -213,7 +218,7 @@ class Fleet:
                 log.warning("%s; it takes part in the next push when it is back", err)
                 await push_failed(spec, session, f"{name} died ({err})")
             self.recover(name)
-            return 0.0
+            return {}
         except ray.exceptions.RayTaskError as err:
             if session is None or not isinstance(err.cause, WeightSyncError):
                 raise

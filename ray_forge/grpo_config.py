@@ -86,6 +86,12 @@ class PolicyConfig:
     constrain_to_actions: bool = True
     """Sample only the first token of each of the env's action words (structured output).
     The trainer then takes its logprobs over the same tokens, so the importance ratio is exact."""
+    draw_from_distribution: bool = True
+    """With one-token completions restricted to the action tokens (``max_tokens: 1`` and
+    ``constrain_to_actions``): ask the engine once per distinct prompt for its whole (processed)
+    distribution over those tokens and draw the prompt's ``n`` samples from it in the actor,
+    instead of ``n`` sequences through vLLM's sampler. The same distribution and the engine's own
+    logprobs, at one forward per distinct prompt. Ignored for longer completions."""
     max_model_len: int = 128
     kv_cache_mb: int = 256
     """KV cache size; vLLM on CPU takes bytes rather than a memory fraction."""

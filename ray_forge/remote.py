@@ -19,8 +19,13 @@ class RemoteCallError(RuntimeError):
 
     def __init__(self, message: str, what: str = "", died: bool = False) -> None:
         super().__init__(message)
+        self.what = what
         self.actor = what.split(".")[0]
         self.died = died
+
+    def __reduce__(self):
+        # Raised inside a rollout worker, it reaches the driver pickled: keep who died.
+        return RemoteCallError, (str(self), self.what, self.died)
 
 
 async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> Any:
@@ -34,6 +39,8 @@ async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> Any:
     except ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, ActorRestarted):
             raise RemoteCallError(f"{what} failed: {err.cause}", what, died=True) from err
+        if isinstance(err.cause, RemoteCallError):  # a call the remote actor made failed: name that one
+            raise RemoteCallError(f"{what}: {err.cause}", err.cause.what, died=err.cause.died) from err
         raise
 
 

@@ -1,12 +1,16 @@
 """Rollouts: env observations become prompts, completions become actions, finished games Episodes.
 
-Takes actor handles as parameters, so tests can drive it with plain objects wrapped in Ray or not.
+Takes the policy as an actor handle and the envs through a small interface (``RemoteEnvs`` for an
+env pool actor, ``LocalEnvs`` for the pool of the rollout worker it runs in), so tests can drive it
+with plain objects wrapped in Ray or not.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
+from ray_forge.env import StepResult
 from ray_forge.episode import Episode, Turn
 from ray_forge.remote import call
 
@@ -22,13 +26,47 @@ class RolloutSettings:
     """Play the policy's most likely completion instead of sampling (evaluation)."""
 
 
+class RemoteEnvs:
+    """An env pool actor, every call under the rollout's env timeout."""
+
+    def __init__(self, handle, name: str, timeout_s: float) -> None:
+        self.handle, self.name, self.timeout_s = handle, name, timeout_s
+
+    async def reset(self, key: int, seeds: list[int]) -> list[StepResult]:
+        return await call(self.handle.reset.remote(key, seeds), timeout_s=self.timeout_s, what=f"{self.name}.reset")
+
+    async def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
+        return await call(self.handle.step.remote(key, slots, actions), timeout_s=self.timeout_s,
+                          what=f"{self.name}.step")
+
+    def release(self, key: int) -> None:
+        self.handle.release.remote(key)
+
+
+class LocalEnvs:
+    """An env pool in this process; its calls run on a thread, so the games of other batches
+    (and their policy calls) go on while envs step."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    async def reset(self, key: int, seeds: list[int]) -> list[StepResult]:
+        return await asyncio.to_thread(self.pool.reset, key, seeds)
+
+    async def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
+        return await asyncio.to_thread(self.pool.step, key, slots, actions)
+
+    def release(self, key: int) -> None:
+        self.pool.release(key)
+
+
 def request_seed(groups: list[tuple[int, int]], turn: int) -> int:
     """Sampling seed of one turn of a batch: fixed by its games, so a replayed or resumed batch
     draws the same completions from the same weights."""
     return (groups[0][1] * 7919 + len(groups) * 104729 + turn) % 2**62 if groups else turn
 
 
-async def play_groups(policy, policy_name: str, env_pool, env_name: str, groups: list[tuple[int, int]],
+async def play_groups(policy, policy_name: str, envs: RemoteEnvs | LocalEnvs, groups: list[tuple[int, int]],
                       settings: RolloutSettings, key: int = 0) -> list[list[Episode]]:
     """Play ``group_size`` games per (group_id, seed), all dealt from that seed, to the end.
 
@@ -39,8 +77,7 @@ async def play_groups(policy, policy_name: str, env_pool, env_name: str, groups:
     """
     games = [(gid, seed) for gid, seed in groups for _ in range(settings.group_size)]
     try:
-        starts = await call(env_pool.reset.remote(key, [seed for _, seed in games]),
-                            timeout_s=settings.env_timeout_s, what=f"{env_name}.reset")
+        starts = await envs.reset(key, [seed for _, seed in games])
         observations = [start.observation for start in starts]
         turns: list[list[Turn]] = [[] for _ in games]
         rewards = [start.reward for start in starts]
@@ -53,8 +90,7 @@ async def play_groups(policy, policy_name: str, env_pool, env_name: str, groups:
                 policy.generate.remote([observations[i] for i in active], settings.greedy,
                                        request_seed(groups, turn)),
                 timeout_s=settings.policy_timeout_s, what=f"{policy_name}.generate")
-            results = await call(env_pool.step.remote(key, active, [c.text for c in completions]),
-                                 timeout_s=settings.env_timeout_s, what=f"{env_name}.step")
+            results = await envs.step(key, active, [c.text for c in completions])
             still_active = []
             for slot, completion, result in zip(active, completions, results, strict=True):
                 turns[slot].append(completion)
@@ -66,7 +102,7 @@ async def play_groups(policy, policy_name: str, env_pool, env_name: str, groups:
                     still_active.append(slot)
             active = still_active
     finally:
-        env_pool.release.remote(key)  # also after a failure: the batch is replayed elsewhere
+        envs.release(key)  # also after a failure: the batch is replayed elsewhere
     for slot in active:
         rewards[slot] = settings.invalid_action_penalty
         errors[slot] = f"still playing after {settings.max_turns} turns"

@@ -12,6 +12,7 @@ ratio silently absorbs it. So the driver asks policy-0 and the trainer the same 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -44,8 +45,10 @@ async def check(policy, trainer, prompts: list[str], *, seed: int, tolerance: fl
                 name: str = "policy-0") -> dict[str, float]:
     """Ask ``policy`` (an engine actor) and ``trainer`` (a TrainerGroup) about ``prompts``; log an
     error when they disagree beyond ``tolerance``."""
-    greedy = await call(policy.generate.remote(prompts, True), timeout_s=timeout_s, what=f"{name}.generate")
-    sampled = await call(policy.generate.remote(prompts, False, seed), timeout_s=timeout_s, what=f"{name}.generate")
+    # Ahead of the rollouts' requests (priority -1): the training loop waits for this check.
+    greedy, sampled = await asyncio.gather(
+        call(policy.generate.remote(prompts, True, None, -1), timeout_s=timeout_s, what=f"{name}.generate"),
+        call(policy.generate.remote(prompts, False, seed, -1), timeout_s=timeout_s, what=f"{name}.generate"))
     scored = await trainer.score([(t.prompt_ids, t.response_ids) for t in greedy + sampled])
     row = compare(greedy, scored[:len(greedy)], sampled, scored[len(greedy):])
     if row["sync_greedy_agreement"] < 1.0 or row["sync_logprob_max_diff"] > tolerance:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import ray
+
 from ray_forge.episode import Sample
 from ray_forge.grpo import TOKEN_STATS as _TOKEN_WEIGHTED
 from ray_forge.remote import call, get
@@ -23,9 +25,12 @@ class TrainerGroup:
         counts = get([r.setup.remote(addr, port) for r in self.ranks], timeout_s=self.timeout_s, what="trainer.setup")
         return counts[0]
 
-    async def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """Every rank sees the whole batch and trains on its share of rows."""
-        per_rank = await self._all("train_step", lambda rank: (samples,))
+    async def train_step(self, samples: list[Sample] | ray.ObjectRef,
+                         ref_logprobs: list | ray.ObjectRef | None = None) -> dict[str, float]:
+        """Every rank sees the whole batch and trains on its share of rows. Either argument may be
+        an object reference (the buffer's samples, the reference model's answer): each rank
+        fetches it from the object store itself."""
+        per_rank = await self._all("train_step", lambda rank: (samples, ref_logprobs))
         return combine_rank_stats(per_rank)
 
     async def export_hf(self, out_dir: str) -> str:

@@ -1,4 +1,4 @@
-"""Replay buffer eviction and hand-out rules (no Ray)."""
+"""Replay buffer eviction, hand-out and chunk rules (Ray only where the samples go to the object store)."""
 
 from ray_forge.actors.buffer import COUNTERS, ReplayBuffer
 from ray_forge.episode import Episode, Turn
@@ -66,3 +66,38 @@ def test_state_round_trips_contents_counts_and_position():
     assert copy.sample(4, 1) == buf.sample(4, 1)  # same groups, same uses left: group 0 is used up
     assert copy.sample(2, 1) == buf.sample(2, 1) == [_group(1, 1)]  # group 1's second use
     assert copy.sample(2, 1) is None and buf.sample(2, 1) is None
+
+
+def test_chunks_enter_whole_batches_in_order_and_a_replayed_chunk_counts_once():
+    buffer = ReplayBuffer(max_policy_lag=5)
+
+    def g(group_id):
+        return _group(0, group_id)
+
+    buffer.add_chunk(1, 0, 2, [g(10)])
+    buffer.add_chunk(0, 1, 2, [g(1)])
+    assert buffer.num_games() == 0 and buffer.next_batch == 0  # nothing enters half a batch
+    buffer.add_chunk(1, 1, 2, [g(11)])
+    assert buffer.num_games() == 0  # batch 1 waits for batch 0
+    buffer.add_chunk(0, 0, 2, [g(0)])
+    assert buffer.next_batch == 2 and buffer.stats()["generated"] == 8
+    assert [e.group[0].group_id for e in buffer._entries] == [0, 1, 10, 11]  # chunk order within a batch
+    buffer.add_chunk(1, 1, 2, [g(11)])  # a worker that died after adding: its chunk is played again
+    assert buffer.stats()["generated"] == 8 and buffer.next_batch == 2
+    assert buffer.state()["next_batch"] == 2
+
+
+def test_sample_batch_makes_samples_beside_the_games(ray_cluster):
+    import ray
+
+    buffer = ray.remote(ReplayBuffer).options(num_cpus=0).remote(max_policy_lag=5)
+    groups = [[Episode(group_id=0, seed=0, turns=(Turn((1,), (2,), (-0.5,), v),), reward=r)
+               for r, v in ((0.0, 3), (1.0, 4))]]
+    ray.get(buffer.add_chunk.remote(0, 0, 1, groups), timeout=60)
+    assert ray.get(buffer.sample_batch.remote(4, 6, True), timeout=60) is None
+    stats, ref = ray.get(buffer.sample_batch.remote(2, 6, True), timeout=60)
+    assert isinstance(ref, ray.ObjectRef)
+    samples = ray.get(ref, timeout=60)
+    assert [s.token_versions for s in samples] == [(3,), (4,)]
+    assert stats["policy_lag"] == 2.5 and stats["policy_lag_max"] == 3 and stats["num_rows"] == 2
+    ray.kill(buffer)

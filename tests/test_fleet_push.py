@@ -16,7 +16,8 @@ def test_failed_pushes_hold_the_served_version_then_stop_the_run(monkeypatch):
     outcomes = iter([0.1, 0.1, None, 0.1, None, 0.1, 0.1, 0.1, None, None, 0.1, None, None, 0.1])
 
     async def update(name, spec, version, session=None):
-        return next(outcomes)
+        seconds = next(outcomes)
+        return None if seconds is None else {"load_s": seconds, "paused_s": seconds}
 
     monkeypatch.setattr(fleet, "_update", update)
     served = []

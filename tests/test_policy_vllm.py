@@ -1,6 +1,8 @@
 """The real vLLM engine in-process: samples with exact behaviour logprobs, in-place weight reloads,
 greedy parity with the trainer's TorchTitan model, and garbage output handled as a penalty."""
 
+import math
+
 import pytest
 import torch
 
@@ -82,8 +84,8 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, ray_
             asyncio.run(trainer.train_step(samples))
         asyncio.run(trainer.publish_weights(store.spec, 5))
         assert store.versions() == [1, 5] and len(store.manifest(5).buckets) > 1
-        seconds = policy.update_weights(store.spec, 5)
-        assert seconds < 30 and policy.get_version() == 5
+        timing = policy.update_weights(store.spec, 5)
+        assert 0 < timing["load_s"] <= timing["paused_s"] < 30 and policy.get_version() == 5
         after = policy.generate(prompts, greedy=True)
         assert [c.text for c in after] != before  # the weights changed what the engine does
         assert all(c.policy_version == 5 for c in after)
@@ -101,6 +103,107 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, ray_
         trainer.shutdown()
         ray.kill(rank)
         store.destroy()
+
+
+def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_model_dir, ray_cluster, monkeypatch):
+    """A weight update while a large batch is generating lands between two engine steps, not
+    after the batch: the batch's earlier answers carry the old version and its later ones the new,
+    and each answer's logprob is that of the weights that sampled it. Afterwards the engine's
+    greedy answers equal the trainer's on all 360 BlackJack states, and its sampling logprobs
+    equal the trainer's within 1e-4."""
+    import asyncio
+    import threading
+    import time
+
+    import ray
+
+    from envs.blackjack import render_state
+    from envs.blackjack.exact import all_states
+    from ray_forge.actors.trainer import TrainerActor
+    from ray_forge.episode import Sample
+    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.weights import StoreSpec, WeightStore
+
+    rank = TrainerActor.options(num_cpus=0.5).remote(
+        model_dir=tiny_model_dir, trainer=TrainerConfig(lr=3e-3), grpo=GRPOConfig(), total_steps=5,
+        rank=0, world_size=1, allowed_token_ids=policy.allowed_ids)
+    trainer = TrainerGroup([rank], timeout_s=300)
+    store = WeightStore.create(StoreSpec(name="vllm-test-in-flight", transport="shm"))
+    states = [render_state(state) for state in all_states()]
+    assert len(states) == 360
+    prompt_ids = [tuple(policy.tokenizer.encode(p, add_special_tokens=False)) for p in states]
+    pairs = [(ids, (token,)) for ids in prompt_ids for token in policy.allowed_ids]
+
+    def logprob_table() -> dict:
+        scored = asyncio.run(trainer.score(pairs))
+        return {pair: score.logprobs[0] for pair, score in zip(pairs, scored, strict=True)}
+
+    try:
+        trainer.setup()
+        asyncio.run(trainer.publish_weights(store.spec, 21))
+        policy.update_weights(store.spec, 21)
+        old = logprob_table()
+        hit = policy.tokenizer.convert_tokens_to_ids("HIT")
+        samples = [Sample(token_ids=ids + (hit,), prompt_len=len(ids), behaviour_logprobs=(-0.7,), advantage=1.0,
+                          policy_version=0) for ids in prompt_ids]
+        for _ in range(5):
+            asyncio.run(trainer.train_step(samples))
+        asyncio.run(trainer.publish_weights(store.spec, 22))
+        new = logprob_table()
+
+        # n sequences per prompt through vLLM's sampler: 2,880 sequences, many engine steps.
+        monkeypatch.setattr(policy, "draws", False)
+        in_flight: list = []
+        steps = policy.loop.stats.steps
+        batch = threading.Thread(target=lambda: in_flight.extend(policy.generate(states * 8, seed=5)))
+        batch.start()
+        while policy.loop.stats.steps < steps + 2:  # the batch is generating
+            assert batch.is_alive(), "the batch finished before the update could land in it"
+            time.sleep(0.001)
+        timing = policy.update_weights(store.spec, 22)
+        batch.join(timeout=300)
+        versions = [turn.policy_version for turn in in_flight]
+        assert len(in_flight) == 2880 and set(versions) == {21, 22}, "the update did not land inside the batch"
+        assert timing["paused_s"] < 5 and timing["waited_s"] < 5
+        for turn in in_flight:
+            table = old if turn.policy_version == 21 else new
+            assert turn.token_versions == (turn.policy_version,)
+            assert turn.logprobs[0] == pytest.approx(table[(turn.prompt_ids, turn.response_ids)], abs=1e-4)
+        monkeypatch.undo()
+
+        greedy = policy.generate(states, greedy=True)
+        scored = asyncio.run(trainer.score([(t.prompt_ids, t.response_ids) for t in greedy]))
+        assert [t.response_ids[0] for t in greedy] == [s.argmax for s in scored]
+        assert all(t.policy_version == 22 for t in greedy)
+        sampled = policy.generate(states * 4, seed=9)  # drawn from the engine's distribution
+        for turn in sampled:
+            assert turn.logprobs[0] == pytest.approx(new[(turn.prompt_ids, turn.response_ids)], abs=1e-4)
+    finally:
+        trainer.shutdown()
+        ray.kill(rank)
+        store.destroy()
+
+
+def test_draws_follow_the_engines_distribution(policy, monkeypatch):
+    """One-token answers drawn in the actor: the engine's own logprob for each token, the same
+    tokens and texts as vLLM's sampler offers, at the frequencies of that distribution, and the
+    same draws again for the same seed."""
+    prompt = _prompts(1)[0]
+    drawn = policy.generate([prompt] * 4000, seed=3)
+    assert [t.response_ids for t in policy.generate([prompt] * 4000, seed=3)] == [t.response_ids for t in drawn]
+    monkeypatch.setattr(policy, "draws", False)
+    sampled = policy.generate([prompt] * 64, seed=3)
+    monkeypatch.undo()
+    logprob = {t.response_ids: t.logprobs[0] for t in sampled}
+    text = {t.response_ids: t.text for t in sampled}
+    for turn in drawn:
+        if turn.response_ids in logprob:
+            assert turn.logprobs[0] == pytest.approx(logprob[turn.response_ids], abs=1e-5)
+            assert turn.text == text[turn.response_ids]
+    for ids in {t.response_ids for t in drawn}:
+        share = sum(t.response_ids == ids for t in drawn) / len(drawn)
+        p = math.exp(next(t.logprobs[0] for t in drawn if t.response_ids == ids))
+        assert abs(share - p) < 4 * math.sqrt(p * (1 - p) / len(drawn)) + 1e-3
 
 
 def test_garbage_model_output_is_a_penalised_game(tiny_model_dir):

@@ -12,7 +12,7 @@ from ray_forge.grpo_config import ClusterConfig, Resources
 from ray_forge.remote import RemoteCallError, call
 from ray_forge.env import StepResult
 from ray_forge.episode import Turn
-from ray_forge.rollout import RolloutSettings, play_groups
+from ray_forge.rollout import RemoteEnvs, RolloutSettings, play_groups
 
 pytestmark = pytest.mark.ray
 
@@ -64,7 +64,7 @@ def test_rollout_plays_grouped_games_on_env_actors(ray_cluster):
     env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
     settings = RolloutSettings(group_size=4, max_turns=10, invalid_action_penalty=-1.0,
                                policy_timeout_s=30, env_timeout_s=30)
-    groups = asyncio.run(play_groups(policy, "policy", env, "env", [(0, 11), (1, 12)], settings))
+    groups = asyncio.run(play_groups(policy, "policy", RemoteEnvs(env, "env", 30), [(0, 11), (1, 12)], settings))
     assert [len(g) for g in groups] == [4, 4]
     for group in groups:
         # Same seed and a deterministic policy: identical games within the group.
@@ -76,12 +76,45 @@ def test_rollout_plays_grouped_games_on_env_actors(ray_cluster):
     ray.kill(env)
 
 
+def test_a_rollout_worker_plays_beside_its_envs_and_fills_the_buffer(ray_cluster):
+    """The env actor runs the game loop itself and puts each chunk into the buffer; the caller gets
+    counts only, a batch enters the buffer once all its chunks are in, and a policy that dies
+    mid-game is named in the error, so the fleet can replay the chunk elsewhere."""
+    from ray_forge.actors.buffer import BufferActor
+    from ray_forge.remote import call
+
+    policy = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "HIT" if s < 12 else "STICK")
+    env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
+    buffer = BufferActor.options(num_cpus=0).remote(max_policy_lag=5)
+    settings = RolloutSettings(group_size=4, max_turns=10, invalid_action_penalty=-1.0,
+                               policy_timeout_s=30, env_timeout_s=30)
+
+    async def play(chunk, groups, policy=policy, name="policy-0"):
+        return await call(env.play.remote(policy, name, groups, settings, chunk, (buffer, 0, chunk, 2)),
+                          timeout_s=60, what="env-0.play")
+
+    first = asyncio.run(play(0, [(0, 11), (1, 12)]))
+    assert first["games"] == 8 and first["tokens"] >= 8 and set(first) == {"games", "tokens"}
+    assert ray.get(buffer.stats.remote(), timeout=30)["generated"] == 0  # half a batch is not in yet
+    asyncio.run(play(1, [(2, 13)]))
+    stats = ray.get(buffer.stats.remote(), timeout=30)
+    assert stats["generated"] == 12 and ray.get(buffer.state.remote(), timeout=30)["next_batch"] == 1
+
+    dead = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "HIT")
+    ray.kill(dead)
+    with pytest.raises(RemoteCallError, match="policy-1.generate failed: the actor died") as err:
+        asyncio.run(play(0, [(3, 14)], policy=dead, name="policy-1"))
+    assert err.value.died and err.value.actor == "policy-1"
+    for actor in (policy, env, buffer):
+        ray.kill(actor)
+
+
 def test_garbage_actions_and_endless_games_are_penalised(ray_cluster):
     env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
     settings = RolloutSettings(group_size=2, max_turns=3, invalid_action_penalty=-2.0,
                                policy_timeout_s=30, env_timeout_s=30)
     garbage = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "<unk> 7 ,")
-    [group] = asyncio.run(play_groups(garbage, "policy", env, "env", [(0, 3)], settings))
+    [group] = asyncio.run(play_groups(garbage, "policy", RemoteEnvs(env, "env", 30), [(0, 3)], settings))
     assert all(e.error == "invalid action" and e.reward == -1.0 for e in group)
     ray.kill(garbage)
 
@@ -106,7 +139,7 @@ def test_empty_output_a_game_that_never_ends_and_a_failed_reset_end_with_their_r
                                policy_timeout_s=30, env_timeout_s=30)
     empty = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "")
     env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
-    [group] = asyncio.run(play_groups(empty, "policy", env, "env", [(0, 3)], settings))
+    [group] = asyncio.run(play_groups(empty, "policy", RemoteEnvs(env, "env", 30), [(0, 3)], settings))
     assert all(e.error == "invalid action" and e.reward == -1.0 and len(e.turns) == 1 for e in group)
 
     class Chatty(ScriptedPolicy):
@@ -115,7 +148,7 @@ def test_empty_output_a_game_that_never_ends_and_a_failed_reset_end_with_their_r
 
     chatty = ray.remote(Chatty).options(num_cpus=0).remote(None)
     endless = ray.remote(EndlessPool).options(num_cpus=0).remote()
-    never, failed = asyncio.run(play_groups(chatty, "policy", endless, "env", [(0, 3), (1, 13)], settings))
+    never, failed = asyncio.run(play_groups(chatty, "policy", RemoteEnvs(endless, "env", 30), [(0, 3), (1, 13)], settings))
     assert all(e.error == "still playing after 4 turns" and e.reward == -1.0 and len(e.turns) == 4 for e in never)
     assert all(e.error == "env reset error: server hiccup" and e.reward == -1.0 and e.turns == () for e in failed)
     for actor in (empty, env, chatty, endless):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from ray_forge.batch import groups_to_samples
 from ray_forge.episode import Episode
 from ray_forge.grpo import group_advantages
 
@@ -42,6 +43,11 @@ class ReplayBuffer:
     after ``max_uses`` hand-outs, or when ``capacity_games`` is exceeded (oldest first).
     ``next_batch`` is the rollout's position: the first batch not yet added, saved with the
     contents so that a resumed run neither replays nor skips a batch.
+
+    Rollout workers add a batch in chunks (``add_chunk``), each as soon as it is played; a batch
+    enters whole, and in order, once all its chunks are in. Chunks of unfinished batches are not
+    part of a checkpoint (a resumed run plays those batches again), and a chunk added twice (a
+    worker that died after adding it, replayed) counts once.
     """
 
     def __init__(self, *, max_policy_lag: int, max_uses: int = 1, capacity_games: int = 65536) -> None:
@@ -53,6 +59,8 @@ class ReplayBuffer:
         self._entries: deque[_Entry] = deque()
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.next_batch = 0
+        self._chunks: dict[int, dict[int, list[list[Episode]]]] = {}
+        self._num_chunks: dict[int, int] = {}
 
     def add(self, groups: list[list[Episode]], next_batch: int | None = None) -> int:
         for group in groups:
@@ -63,6 +71,27 @@ class ReplayBuffer:
         while self.num_games() > self.capacity_games:
             self.counts["dropped_full"] += len(self._entries.popleft().group)
         return self.num_games()
+
+    def add_chunk(self, batch: int, chunk: int, num_chunks: int, groups: list[list[Episode]]) -> int:
+        """Chunk ``chunk`` of ``num_chunks`` of batch ``batch``; complete batches enter in order."""
+        if batch >= self.next_batch:
+            self._chunks.setdefault(batch, {})[chunk] = groups
+            self._num_chunks[batch] = num_chunks
+        while len(self._chunks.get(self.next_batch, ())) == self._num_chunks.get(self.next_batch, -1):
+            done = self._chunks.pop(self.next_batch)
+            del self._num_chunks[self.next_batch]
+            self.add([g for c in sorted(done) for g in done[c]], self.next_batch + 1)
+        return self.num_games()
+
+    def sample_batch(self, num_games: int, trainer_version: int, merge: bool) -> tuple[dict, ray.ObjectRef] | None:
+        """``sample``'s groups made into training samples, here beside the games: (the batch's
+        statistics, a reference to the samples in the object store), or None. The trainer ranks
+        (and the reference model) fetch the samples themselves; the caller holds only the reference."""
+        groups = self.sample(num_games, trainer_version)
+        if groups is None:
+            return None
+        samples, stats = groups_to_samples(groups, merge, trainer_version)
+        return stats, ray.put(samples)
 
     def evict_stale(self, trainer_version: int) -> int:
         """Drop groups older than ``trainer_version - max_policy_lag``; returns how many."""

