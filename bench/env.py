@@ -42,7 +42,8 @@ def hits(player_sum: int) -> bool:
 class RulePolicy:
     """A typed stand-in for the engine: answers by the rule from the prompt's sum."""
 
-    def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None) -> list[Turn]:
+    def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None,
+                 priority: int = 0) -> list[Turn]:
         return [Turn((0,), (1,), (-0.7,), 0, "HIT" if hits(int(p.split()[3].rstrip(","))) else "STICK")
                 for p in prompts]
 

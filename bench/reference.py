@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, steps, config.trainer.warmup_steps, config.trainer.min_lr_ratio))
     num_groups = config.grpo.games_per_step // config.grpo.group_size
-    step_s, evals, reached = [], {}, None
+    step_s, evals, eval_at_s, reached = [], {}, {}, None
     start = time.perf_counter()
     for step in range(1, steps + 1):
         begin = time.perf_counter()
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
             player.model.eval()
             evals[step] = evaluate(player.decide, invalid_action_penalty=config.env.invalid_action_penalty)["exact_return"]
             player.model.train()
+            eval_at_s[step] = time.perf_counter() - start
             print(f"step {step}: reward {stats['train_reward']:+.4f}, exact return {evals[step]:+.4f}, "
                   f"{statistics.median(step_s):.2f} s/step", file=sys.stderr, flush=True)
             if reached is None and evals[step] >= args.target:
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
                   group_size=config.grpo.group_size, step_s_median=statistics.median(step_s),
                   total_s=time.perf_counter() - start, target=args.target,
                   step_at_target=reached and reached[0], seconds_to_target=reached and reached[1],
-                  final_exact_return=evals[steps], evals=evals)
+                  final_exact_return=evals[steps], evals=evals, eval_at_s=eval_at_s)
     print(json.dumps(result))
     return result
 

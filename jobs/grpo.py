@@ -51,7 +51,7 @@ from ray_forge.config import ConfigError  # noqa: E402
 from ray_forge.fleet import Fleet, FleetError  # noqa: E402
 from ray_forge.grpo_config import JobConfig  # noqa: E402
 from ray_forge.launch import Actors, start_actors  # noqa: E402
-from ray_forge.metrics import MetricsLog, read_metrics  # noqa: E402
+from ray_forge.metrics import MetricsLog, metrics_row, read_metrics  # noqa: E402
 from ray_forge.models import ModelError, check_model_dir, make_tiny_qwen3  # noqa: E402
 from ray_forge.remote import RemoteCallError, call, get  # noqa: E402
 from ray_forge.run_dir import FINISHED_FILE, Run, create, open_run, truncate_metrics  # noqa: E402
@@ -103,7 +103,7 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
     num_groups = config.grpo.games_per_step // config.grpo.group_size
     num_chunks = max(len(actors.policies), len(actors.envs))
     playing: set[asyncio.Task] = set()
-    busy_since = None
+    clock = time.monotonic()
 
     async def play(batch: int) -> None:
         start = time.monotonic()
@@ -119,9 +119,12 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
 
     try:
         while not state.stop.is_set() or playing:
+            # Rollout time: the time some batch was in play (the rates in the metrics divide by it).
+            now, was_playing = time.monotonic(), bool(playing)
+            state.rollout_seconds += (now - clock) if was_playing else 0.0
+            clock = now
             if not state.stop.is_set() and batch <= fleet.serving + config.buffer.max_policy_lag:
                 playing.add(asyncio.create_task(play(batch)))
-                busy_since = busy_since or time.monotonic()
                 batch += 1
                 continue
             if not playing:
@@ -130,9 +133,6 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
             done, playing = await asyncio.wait(playing, timeout=0.01, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # a batch that failed on every pair stops the run
-            if not playing and busy_since is not None:
-                state.rollout_seconds += time.monotonic() - busy_since
-                busy_since = None
     finally:
         for task in playing:
             task.cancel()
@@ -224,6 +224,13 @@ async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fl
     raise AssertionError("unreachable")
 
 
+async def ready(ref: ray.ObjectRef, timeout_s: float, what: str) -> None:
+    """Wait until ``ref`` is computed without fetching it here (the trainer ranks fetch it)."""
+    done, _ = await asyncio.to_thread(ray.wait, [ref], timeout=timeout_s, fetch_local=False)
+    if not done:
+        raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s", what)
+
+
 async def timed(work, key: str) -> tuple[object, dict[str, float]]:
     """(what the awaitable ``work`` returns, {key: seconds it took}); (None, {}) for no work."""
     if work is None:
@@ -261,10 +268,13 @@ async def save_checkpoint(config: JobConfig, actors: Actors, run_dir: Path, prog
         await actors.trainer.save_checkpoint(str(staging))
     except ray.exceptions.RayTaskError as err:  # a rank could not write its shards (a full disk, ...)
         raise checkpoint.failed(run_dir, progress.step, staging, RuntimeError(_inner(err))) from None
-    buffer_state = await call(actors.buffer.state.remote(), timeout_s=60, what="buffer.state")
+    # The buffer writes its games into the checkpoint itself; the driver keeps its position.
+    buffer_state = await call(actors.buffer.save.remote(str(staging / checkpoint.BUFFER_STATE)), timeout_s=60,
+                              what="buffer.save")
     driver = dict(dataclasses.asdict(progress), buffer=buffer_state, policy_version=progress.step,
                   rng=dict(python=random.getstate(), torch=torch.get_rng_state()))
-    expected = [checkpoint.DCP_METADATA] + [checkpoint.rank_file(r) for r in range(config.trainer.num_ranks)]
+    expected = [checkpoint.DCP_METADATA, checkpoint.BUFFER_STATE] + [checkpoint.rank_file(r)
+                                                                     for r in range(config.trainer.num_ranks)]
     await asyncio.to_thread(checkpoint.commit, run_dir, progress.step, staging, driver, config.run.keep_checkpoints,
                             expected)
     return time.monotonic() - start
@@ -286,7 +296,7 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
             ref = None
             if actors.reference is not None and batch_stats["num_rows"]:
                 ref = actors.reference.logprobs.remote(samples)
-                await call(ref, timeout_s=config.reference.call_timeout_s, what="ref.logprobs")
+                await ready(ref, config.reference.call_timeout_s, "ref.logprobs")  # its answer goes to the trainer
             train_start = time.monotonic()
             train_stats = await actors.trainer.train_step(samples, ref)
             train_stats["train_s"] = time.monotonic() - train_start
@@ -294,7 +304,8 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
             sync = await push_weights(actors, fleet, step)
             sync_check_due = bool(config.run.sync_check_every) and step % config.run.sync_check_every == 0
             eval_due = bool(config.run.eval_every) and (step % config.run.eval_every == 0 or step == config.run.steps)
-            # Both only read policy-0 and the trainer: side by side.
+            # Neither changes a weight (the check reads policy-0 and the trainer, the evaluation
+            # policy-0 and env-0), and no push comes until both are done: side by side.
             (checked, check_s), (evaluated, eval_s) = await asyncio.gather(
                 timed(check_sync(config, hooks, actors, fleet, step) if sync_check_due else None, "sync_check_s"),
                 timed(evaluate(config, hooks, actors, fleet, 0) if eval_due else None, "eval_s"))
@@ -384,7 +395,7 @@ def restore_progress(run: Run) -> tuple[Progress, dict | None, float]:
     if not rows or rows[-1]["step"] != progress.step:
         # The kill came between the checkpoint and its metrics row: write the row from the checkpoint.
         with (run.run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(dict(step=progress.step, wall_time_s=wall, **progress.row)) + "\n")
+            f.write(json.dumps(metrics_row(progress.step, wall, progress.row)) + "\n")
     return progress, saved["buffer"], wall
 
 
@@ -398,7 +409,11 @@ async def resume(actors: Actors, fleet: Fleet, run: Run, run_step: int, buffer_s
     if version != run_step:
         raise CheckpointError(f"{run.resume_from}: the trainer's shards are at version {version}, "
                               f"the driver's state at step {run_step}")
-    buffered = await call(actors.buffer.load_state.remote(buffer_state), timeout_s=60, what="buffer.load_state")
+    if "entries" in buffer_state:  # a checkpoint from before the buffer wrote its own file
+        buffered = await call(actors.buffer.load_state.remote(buffer_state), timeout_s=60, what="buffer.load_state")
+    else:
+        buffered = await call(actors.buffer.load.remote(str(run.resume_from / checkpoint.BUFFER_STATE)),
+                              timeout_s=60, what="buffer.load")
     await push_weights(actors, fleet, version)
     if fleet.serving != version:  # rollouts wait for the restored version: none would ever start
         raise FleetError(f"the restored weights (version {version}) reached no engine; see the errors above")

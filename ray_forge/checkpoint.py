@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 DRIVER_STATE = "driver.pkl"
+BUFFER_STATE = "buffer.pkl"
+"""The replay buffer's contents, written by the buffer actor itself (no game passes through the driver)."""
 TRAINER_DIR = "trainer"
 DCP_METADATA = f"{TRAINER_DIR}/.metadata"
 

@@ -52,6 +52,7 @@ class EngineLoop:
         self._waiting: dict[str, Future] = {}
         self._ids = itertools.count()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
         engine.set_weight_version(str(version))
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -73,21 +74,39 @@ class EngineLoop:
 
     def update(self, load: Callable[[Any], Any], version: int) -> Future:
         """``load(engine)`` between two steps, then the prefix cache is dropped and running
-        requests continue on the new weights; resolves to ``load``'s result. A ``load`` that
-        returns False loaded nothing: the engine keeps its version and its cache."""
+        requests continue on the new weights; resolves to (``load``'s result, seconds generation
+        stood still). A ``load`` that returns False loaded nothing: the engine keeps its version
+        and its cache."""
         future = Future()
         self._put(("update", (load, version), future))
         return future
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self._thread.is_alive():
-            self._inbox.put(("stop", None, None))
-            self._thread.join(timeout_s)
+    def abort(self, futures: list[Future]) -> None:
+        """Drop the requests behind ``futures`` (their caller gave up): they stop taking batch slots."""
+        wanted = set(map(id, futures))
+
+        def drop(engine) -> None:
+            ids = [rid for rid, future in self._waiting.items() if id(future) in wanted]
+            for rid in ids:
+                del self._waiting[rid]
+            engine.abort_request(ids)
+
+        self.run(drop)
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop stepping; requests still waiting fail. False if the loop thread is still busy
+        after ``timeout_s`` (inside a long load): the engine must not be shut down under it."""
+        with self._lock:
+            if self._thread.is_alive() and self._error is None:
+                self._inbox.put(("stop", None, None))
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _put(self, message: tuple) -> None:
-        if self._error is not None or not self._thread.is_alive():
-            raise RuntimeError(f"the engine loop has stopped: {self._error!r}")
-        self._inbox.put(message)
+        with self._lock:  # against the loop dying between the check and the put: no future is left behind
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"the engine loop has stopped: {self._error!r}")
+            self._inbox.put(message)
 
     # -- the loop thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -96,17 +115,25 @@ class EngineLoop:
                 idle = not self.engine.has_unfinished_requests()
                 # Block only when there is nothing to step; else take what arrived since the last step.
                 if not self._drain(block=idle):
+                    self._fail_all(RuntimeError("the engine loop was stopped"))
                     return
                 if self.engine.has_unfinished_requests():
                     self._step()
         except BaseException as err:  # the engine broke: nobody waiting may hang
-            self._error = err
             log.exception("the vLLM engine loop failed")
-            for future in [*self._waiting.values(), *self._pending()]:
-                if not future.done():
-                    future.set_exception(RuntimeError(f"the vLLM engine loop failed: {err!r}"))
+            self._fail_all(RuntimeError(f"the vLLM engine loop failed: {err!r}"))
             if self._on_failure is not None:
                 self._on_failure(err)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every request and queued message: nobody waits on a loop that is gone."""
+        with self._lock:
+            self._error = error
+            futures = [*self._waiting.values(), *self._pending()]
+        self._waiting.clear()
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
 
     def _pending(self) -> list[Future]:
         futures = []
@@ -157,15 +184,27 @@ class EngineLoop:
             # a plain reset frees nothing (and returns False): preempting them recomputes their
             # context on the new weights, keeping the tokens they sampled.
             if not self.engine.reset_prefix_cache(reset_running_requests=True):
+                self.label(-1)  # new weights, old cached prefixes: tokens from here on belong to no version
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update: cached "
                                    "prefixes would mix two policy versions")
-            self.engine.set_weight_version(str(version))
-            self.version = version
+            self.label(version)
+            self.stats.updates += 1
             return result
 
-        _settle(future, swap)
-        self.stats.updates += 1
-        self.stats.paused_s += time.monotonic() - start
+        try:
+            result = swap()
+        except Exception as err:
+            self.stats.paused_s += time.monotonic() - start
+            future.set_exception(err)
+            return
+        paused_s = time.monotonic() - start
+        self.stats.paused_s += paused_s
+        future.set_result((result, paused_s))
+
+    def label(self, version: int) -> None:
+        """Tokens sampled from now on carry ``version`` (on the loop thread: from a ``load``)."""
+        self.engine.set_weight_version(str(version))
+        self.version = version
 
     def _step(self) -> None:
         start = time.monotonic()

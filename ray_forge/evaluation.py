@@ -30,7 +30,8 @@ async def greedy_pass_rate(policy, env_pool, tasks: list[TaskLike], settings: Ro
     per task kind (``code_return``, ``math_solved``, ...), the count of each error the env reported,
     and ``tasks``: one row per task with its reward, error and completion.
     """
-    settings = dataclasses.replace(settings, group_size=1, greedy=True)
+    # Ahead of the rollouts' requests: the training loop waits for this evaluation.
+    settings = dataclasses.replace(settings, group_size=1, greedy=True, priority=-1)
     limit_s = (settings.max_turns + 1) * (settings.policy_timeout_s + settings.env_timeout_s)
     groups = await call(env_pool.play.remote(policy, "policy-0", [(i, i) for i in range(len(tasks))], settings,
                                              EVAL_KEY), timeout_s=limit_s, what="env-0.play")

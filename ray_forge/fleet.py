@@ -64,8 +64,11 @@ class Fleet:
         for attempt in range(attempts):
             policy, env = await self._pick("policy", chunk + attempt), await self._pick("env", chunk + attempt)
             try:
-                return await call(self.members[env].play.remote(self.members[policy], policy, groups, settings, key,
-                                                                sink), timeout_s=limit_s, what=f"{env}.play")
+                # A key of its own per attempt: an env actor that was only unreachable may still be
+                # playing the first attempt, and two plays must never share an env.
+                return await call(self.members[env].play.remote(self.members[policy], policy, groups, settings,
+                                                                (key, attempt), sink),
+                                  timeout_s=limit_s, what=f"{env}.play")
             except RemoteCallError as err:
                 if not err.died or err.actor not in self.members:
                     raise

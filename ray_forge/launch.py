@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_forge.actors.buffer import BufferActor
 from ray_forge.actors.env_pool import EnvPoolActor
@@ -115,7 +116,9 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, 
             model_dir=model_dir, allowed_token_ids=allowed, temperature=config.policy.temperature,
             num_threads=_threads(slot.resources.num_cpus),
             micro_batch_size=config.trainer.micro_batch_size)
-    buffer = BufferActor.options(name="buffer", num_cpus=0).remote(
+    # On the driver's node: the buffer writes its part of each checkpoint into the run directory.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    buffer = BufferActor.options(name="buffer", num_cpus=0, scheduling_strategy=here).remote(
         max_policy_lag=config.buffer.max_policy_lag, max_uses=config.buffer.max_uses,
         capacity_games=config.buffer.capacity_games)
     handles += [buffer] + ([reference] if reference else [])

@@ -104,8 +104,7 @@ class MetricsLog:
             self._bar = PlainProgress(total_steps, sys.stderr, disable=not progress, initial=done_steps)
 
     def log(self, step: int, **values: Any) -> dict[str, Any]:
-        row = {"step": step, "wall_time_s": round(time.monotonic() - self._start, 3)}
-        row.update({k: _plain(v) for k, v in values.items()})
+        row = metrics_row(step, time.monotonic() - self._start, values)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._gauges is not None:
@@ -123,6 +122,11 @@ class MetricsLog:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def metrics_row(step: int, wall_time_s: float, values: dict[str, Any]) -> dict[str, Any]:
+    """One ``metrics.jsonl`` row as it is written: floats to 6 places, NaN as null."""
+    return {"step": step, "wall_time_s": round(wall_time_s, 3), **{k: _plain(v) for k, v in values.items()}}
 
 
 def _plain(value: Any) -> Any:

@@ -86,3 +86,27 @@ def runs_side_by_side_png(runs: dict[str, list[dict[str, Any]]], path: str | Pat
     bottom.grid(alpha=0.3)
     fig.suptitle(title or "runs side by side")
     return save(fig, path)
+
+
+def returns_against_time_png(runs: dict[str, list[tuple[float, float]]], path: str | Path, title: str = "",
+                             target: float | None = None, references: dict[str, float] | None = None) -> Path:
+    """Evaluation return against seconds since the first step, one curve per run (a list of
+    (seconds, return)), with the bar each is timed to (``target``) and reference returns."""
+    fig = figure((12.0, 6.0))
+    axes = fig.subplots()
+    for i, (label, points) in enumerate(runs.items()):
+        axes.plot(*zip(*points), "o-", color=f"C{i}", lw=2, label=label)
+        reached = next(((t, r) for t, r in points if target is not None and r >= target), None)
+        if reached:
+            axes.axvline(reached[0], color=f"C{i}", ls=":", lw=1.5)
+            axes.annotate(f"{reached[0]:.0f} s", reached, textcoords="offset points", xytext=(6, -14), color=f"C{i}")
+    if target is not None:
+        axes.axhline(target, color="black", ls="--", lw=1.2, label=f"bar {target}")
+    for i, (name, value) in enumerate((references or {}).items()):
+        axes.axhline(value, ls="--", lw=1.0, color=f"C{len(runs) + i}", alpha=0.6, label=name)
+    axes.set_xlabel("seconds since the first step")
+    axes.set_ylabel("greedy policy return (eval)")
+    axes.legend(loc="lower right")
+    axes.grid(alpha=0.3)
+    fig.suptitle(title or "evaluation return against time")
+    return save(fig, path)

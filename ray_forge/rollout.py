@@ -8,11 +8,12 @@ with plain objects wrapped in Ray or not.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from ray_forge.env import StepResult
 from ray_forge.episode import Episode, Turn
-from ray_forge.remote import call
+from ray_forge.remote import RemoteCallError, call
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class RolloutSettings:
     env_timeout_s: float
     greedy: bool = False
     """Play the policy's most likely completion instead of sampling (evaluation)."""
+    priority: int = 0
+    """The engine schedules waiting requests of a lower priority first (evaluations: -1)."""
 
 
 class RemoteEnvs:
@@ -32,31 +35,38 @@ class RemoteEnvs:
     def __init__(self, handle, name: str, timeout_s: float) -> None:
         self.handle, self.name, self.timeout_s = handle, name, timeout_s
 
-    async def reset(self, key: int, seeds: list[int]) -> list[StepResult]:
+    async def reset(self, key: Hashable, seeds: list[int]) -> list[StepResult]:
         return await call(self.handle.reset.remote(key, seeds), timeout_s=self.timeout_s, what=f"{self.name}.reset")
 
-    async def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
+    async def step(self, key: Hashable, slots: list[int], actions: list[str]) -> list[StepResult]:
         return await call(self.handle.step.remote(key, slots, actions), timeout_s=self.timeout_s,
                           what=f"{self.name}.step")
 
-    def release(self, key: int) -> None:
+    def release(self, key: Hashable) -> None:
         self.handle.release.remote(key)
 
 
 class LocalEnvs:
     """An env pool in this process; its calls run on a thread, so the games of other batches
-    (and their policy calls) go on while envs step."""
+    (and their policy calls) go on while envs step, each under the rollout's env timeout."""
 
-    def __init__(self, pool) -> None:
-        self.pool = pool
+    def __init__(self, pool, name: str, timeout_s: float) -> None:
+        self.pool, self.name, self.timeout_s = pool, name, timeout_s
 
-    async def reset(self, key: int, seeds: list[int]) -> list[StepResult]:
-        return await asyncio.to_thread(self.pool.reset, key, seeds)
+    async def reset(self, key: Hashable, seeds: list[int]) -> list[StepResult]:
+        return await self._timed("reset", self.pool.reset, key, seeds)
 
-    async def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
-        return await asyncio.to_thread(self.pool.step, key, slots, actions)
+    async def step(self, key: Hashable, slots: list[int], actions: list[str]) -> list[StepResult]:
+        return await self._timed("step", self.pool.step, key, slots, actions)
 
-    def release(self, key: int) -> None:
+    async def _timed(self, what: str, fn, *args):
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RemoteCallError(f"{self.name}.{what} did not answer within {self.timeout_s:.0f}s",
+                                  f"{self.name}.{what}") from None
+
+    def release(self, key: Hashable) -> None:
         self.pool.release(key)
 
 
@@ -67,7 +77,7 @@ def request_seed(groups: list[tuple[int, int]], turn: int) -> int:
 
 
 async def play_groups(policy, policy_name: str, envs: RemoteEnvs | LocalEnvs, groups: list[tuple[int, int]],
-                      settings: RolloutSettings, key: int = 0) -> list[list[Episode]]:
+                      settings: RolloutSettings, key: Hashable = 0) -> list[list[Episode]]:
     """Play ``group_size`` games per (group_id, seed), all dealt from that seed, to the end.
 
     ``key`` names this batch in the env pool, so concurrent batches can share one pool.
@@ -88,7 +98,7 @@ async def play_groups(policy, policy_name: str, envs: RemoteEnvs | LocalEnvs, gr
                 break
             completions: list[Turn] = await call(
                 policy.generate.remote([observations[i] for i in active], settings.greedy,
-                                       request_seed(groups, turn)),
+                                       request_seed(groups, turn), settings.priority),
                 timeout_s=settings.policy_timeout_s, what=f"{policy_name}.generate")
             results = await envs.step(key, active, [c.text for c in completions])
             still_active = []

@@ -2,6 +2,7 @@
 completes, its metrics show the restarts and replays, and every game is accounted for at every step."""
 
 import json
+import pickle
 import sys
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def test_a_run_survives_actor_kills_and_accounts_for_every_game(ray_cluster, tmp
         assert row["generated"] == sum(row[k] for k in COUNTERS[1:]) + row["buffer_size"], row
     # Nothing lost and nothing counted twice: exactly the games of the batches the rollout finished.
     # (Taken from one snapshot: the last checkpoint's buffer. The rollout may add a batch after the row.)
-    buffer = checkpoint.read_driver_state(checkpoint.latest(run_dir))["buffer"]
+    with open(checkpoint.latest(run_dir) / checkpoint.BUFFER_STATE, "rb") as f:  # written by the buffer itself
+        buffer = pickle.load(f)
     assert buffer["counts"]["generated"] == buffer["next_batch"] * GAMES
     assert last["trained"] + last["dropped_no_signal"] == STEPS * GAMES  # each step took one batch's worth
 

@@ -23,7 +23,8 @@ class ScriptedPolicy:
     def __init__(self, answer_for_sum):
         self.answer_for_sum = answer_for_sum
 
-    def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None) -> list[Turn]:
+    def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None,
+                 priority: int = 0) -> list[Turn]:
         out = []
         for p in prompts:
             player_sum = int(p.split()[3].rstrip(","))
@@ -143,7 +144,7 @@ def test_empty_output_a_game_that_never_ends_and_a_failed_reset_end_with_their_r
     assert all(e.error == "invalid action" and e.reward == -1.0 and len(e.turns) == 1 for e in group)
 
     class Chatty(ScriptedPolicy):
-        def generate(self, prompts, greedy=False, seed=None):
+        def generate(self, prompts, greedy=False, seed=None, priority=0):
             return [Turn((1,), (9,), (-0.5,), 0, "I think") for _ in prompts]
 
     chatty = ray.remote(Chatty).options(num_cpus=0).remote(None)

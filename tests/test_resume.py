@@ -3,6 +3,7 @@ resumed, and in synchronous mode its weights equal an uninterrupted run's bit fo
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -82,12 +83,14 @@ def test_killed_driver_resumes_to_the_same_weights_bit_for_bit(uninterrupted, tm
     assert not (run_dir / "final_policy").exists()  # it really stopped mid-run
     saved = checkpoint.read_driver_state(checkpoint.latest(run_dir))
     assert saved["step"] == 2 and saved["policy_version"] == 2
+    with open(checkpoint.latest(run_dir) / checkpoint.BUFFER_STATE, "rb") as f:  # the buffer wrote its own games
+        buffered = sum(len(group) for group, _ in pickle.load(f)["entries"])
+    assert buffered == saved["buffer"]["games"]
 
     with caplog.at_level("INFO"):
         summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), "--resume", "auto",
                              f"run.output_dir={out}"])
     assert Path(summary["run_dir"]) == run_dir  # auto found the unfinished run
-    buffered = sum(len(group) for group, _ in saved["buffer"]["entries"])
     assert (f"step 2, policy version 2, {buffered} games buffered, next batch {saved['buffer']['next_batch']}"
             in caplog.text)
     assert summary["policy_versions"] == [4, 4]

@@ -6,6 +6,7 @@ generated = trained + evicted as stale + dropped (no signal, or over capacity) +
 
 from __future__ import annotations
 
+import pickle
 from collections import deque
 from dataclasses import dataclass
 
@@ -129,6 +130,18 @@ class ReplayBuffer:
         """Everything a checkpoint needs, taken in one call (the actor runs calls one at a time)."""
         return dict(entries=[(e.group, e.uses) for e in self._entries], counts=dict(self.counts),
                     next_batch=self.next_batch)
+
+    def save(self, path: str) -> dict[str, int]:
+        """``state()`` into the file ``path`` (in a checkpoint being written); returns what the
+        driver keeps of it: the rollout position and the games buffered."""
+        with open(path, "wb") as f:
+            pickle.dump(self.state(), f, protocol=pickle.HIGHEST_PROTOCOL)
+        return dict(next_batch=self.next_batch, games=self.num_games())
+
+    def load(self, path: str) -> int:
+        """The state ``save`` wrote (a checkpoint verified against its manifest); returns the games buffered."""
+        with open(path, "rb") as f:
+            return self.load_state(pickle.load(f))
 
     def load_state(self, state: dict) -> int:
         self._entries = deque(_Entry(list(group), uses) for group, uses in state["entries"])

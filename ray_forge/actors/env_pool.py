@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -42,16 +44,18 @@ class EnvPool:
         # run in this thread.
         concurrency = (options or {}).get("concurrency", 1)
         self._threads = ThreadPoolExecutor(concurrency) if concurrency > 1 else None
+        self._lock = threading.RLock()
 
     def _map(self, fn, *iterables) -> list:
         return list(self._threads.map(fn, *iterables)) if self._threads else list(map(fn, *iterables))
 
-    def reset(self, key: int, seeds: list[int]) -> list[StepResult]:
+    def reset(self, key: Hashable, seeds: list[int]) -> list[StepResult]:
         """Deal one game per seed. Each result carries the first observation; a game whose reset
         raised is already over (``done``, the penalty, and the reason in ``info['error']``)."""
-        self.release(key)
-        envs = [self._free.pop() if self._free else self._make() for _ in seeds]
-        self._batches[key] = envs
+        with self._lock:  # plays of several chunks deal from their own threads
+            self.release(key)
+            envs = [self._free.pop() if self._free else self._make() for _ in seeds]
+            self._batches[key] = envs
 
         def one(env: TextEnv, seed: int) -> StepResult:
             try:
@@ -62,7 +66,7 @@ class EnvPool:
 
         return self._map(one, envs, seeds)
 
-    def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
+    def step(self, key: Hashable, slots: list[int], actions: list[str]) -> list[StepResult]:
         if key not in self._batches:
             raise ActorRestarted(f"batch {key} is not dealt here: this env actor was restarted since")
         envs = self._batches[key]
@@ -78,18 +82,21 @@ class EnvPool:
             raise ValueError(f"{len(slots)} slots but {len(actions)} actions")
         return self._map(one, slots, actions)
 
-    def release(self, key: int) -> None:
-        self._free.extend(self._batches.pop(key, []))
+    def release(self, key: Hashable) -> None:
+        with self._lock:
+            self._free.extend(self._batches.pop(key, []))
 
     async def play(self, policy, policy_name: str, groups: list[tuple[int, int]], settings: RolloutSettings,
-                   key: int, sink: tuple | None = None) -> list[list[Episode]] | dict[str, int]:
+                   key: Hashable, sink: tuple | None = None) -> list[list[Episode]] | dict[str, int]:
         """Play ``groups`` on this pool's envs against ``policy`` (an engine actor).
 
         With ``sink = (buffer, batch, chunk, num_chunks)`` the groups go into the buffer as that
         chunk of that batch, and only counts come back (``games``, ``tokens``); without, the
-        groups come back (evaluation). A policy that dies or times out raises RemoteCallError
-        naming it, so the driver can replay the chunk elsewhere."""
-        played = await play_groups(policy, policy_name, LocalEnvs(self), groups, settings, key=key)
+        groups come back (evaluation). A policy that dies raises RemoteCallError naming it, so
+        the driver can replay the chunk elsewhere; a policy or env call that times out raises one
+        too (not a death: the run stops, naming the call)."""
+        envs = LocalEnvs(self, ray.get_runtime_context().get_actor_name() or "env", settings.env_timeout_s)
+        played = await play_groups(policy, policy_name, envs, groups, settings, key=key)
         if sink is None:
             return played
         buffer, batch, chunk, num_chunks = sink

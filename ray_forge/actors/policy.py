@@ -197,7 +197,13 @@ class VLLMPolicy:
         ]
         futures = self.loop.submit([(p["prompt_token_ids"], param) for p, param in zip(token_prompts, params)],
                                    priority)
-        outputs = [f.result(timeout=self.config.call_timeout_s) for f in futures]
+        deadline = time.monotonic() + self.config.call_timeout_s
+        try:
+            outputs = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
+        except TimeoutError:
+            self.loop.abort(futures)  # the caller has given up on them
+            raise TimeoutError(f"{len(prompts)} prompts not answered within policy.call_timeout_s="
+                               f"{self.config.call_timeout_s:.0f}s") from None
         pools: dict[str, list[Turn]] = {}
         for i, (prompt, request) in enumerate(zip(unique, outputs, strict=True)):
             prompt_ids = tuple(request.prompt_token_ids)
@@ -254,10 +260,10 @@ class VLLMPolicy:
             finally:
                 timing["load_s"] = time.monotonic() - start
 
-        before = self.loop.stats.paused_s
-        if self.loop.update(load, version).result(timeout=spec.timeout_s + self.config.call_timeout_s) is not False:
+        loaded, paused_s = self.loop.update(load, version).result(timeout=spec.timeout_s + self.config.call_timeout_s)
+        if loaded is not False:
             self.version = version
-        return dict(timing, paused_s=self.loop.stats.paused_s - before)
+        return dict(timing, paused_s=paused_s)
 
     def _load(self, spec: StoreSpec, version: int) -> bool:
         """On the step loop's thread: the transfer itself. False when this engine was not part
@@ -276,8 +282,8 @@ class VLLMPolicy:
             # A pull streams into the live weights: one that fails part-way leaves a mix of two
             # versions. Version -1 is older than any the buffer keeps, so the tokens sampled from
             # it are dropped until a later update loads a whole version.
-            self.version = self.loop.version = -1
-            self.llm.llm_engine.set_weight_version("-1")
+            self.version = -1
+            self.loop.label(-1)
             raise
         return True
 
@@ -302,7 +308,9 @@ class VLLMPolicy:
         return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
-        self.loop.stop()
+        if not self.loop.stop():
+            log.warning("the engine loop is still busy: the engine is left to the process's exit")
+            return
         engine = getattr(self.llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
