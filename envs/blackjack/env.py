@@ -61,7 +61,8 @@ class BlackjackTextEnv:
     action_words = ACTION_WORDS
 
     def __init__(self, invalid_action_penalty: float = DEFAULT_PENALTY) -> None:
-        self._env = gym.make("Blackjack-v1", sab=False, natural=False)
+        # One env per game in a batch: gymnasium's passive checker would inspect every new one's first calls.
+        self._env = gym.make("Blackjack-v1", sab=False, natural=False, disable_env_checker=True)
         self._penalty = invalid_action_penalty
         self.state: State | None = None
 
