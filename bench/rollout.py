@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from envs.blackjack import ACTION_WORDS, BlackjackTextEnv  # noqa: E402
@@ -121,7 +122,11 @@ def main() -> None:
         asyncio.run(fleet.start())
         asyncio.run(play(config, fleet, buffer, range(1), args.chunks))  # warm-up
         ray.get(buffer.sample.remote(config.grpo.games_per_step, 0), timeout=60)
+        # Where the CPU goes: each actor process's CPU seconds during the measured batches.
+        processes = {"policy": psutil.Process(fleet.pids["policy-0"]), "env": psutil.Process(fleet.pids["env-0"])}
+        before = {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
         seconds = asyncio.run(play(config, fleet, buffer, range(1, 1 + args.batches), args.chunks))
+        cpu_s = {name: round(sum(p.cpu_times()[:2]) - before[name], 2) for name, p in processes.items()}
         games = args.batches * config.grpo.games_per_step
         groups = ray.get(buffer.sample.remote(games, 0), timeout=60)
         for actor in (policy, env, buffer):
@@ -138,7 +143,8 @@ def main() -> None:
                       "raw_decisions_per_s": round(decisions / raw_s["same_requests"]),
                       "raw_n_samples_decisions_per_s": round(decisions / raw_s["n_samples"]),
                       "rollout_vs_raw": round(ratio, 3), "rollout_vs_raw_n_samples": round(raw_s["n_samples"] / seconds, 3),
-                      "target": 0.8, "met": ratio >= 0.8}))
+                      "rollout_s": round(seconds, 3), "raw_s": round(raw_s["same_requests"], 3),
+                      "actor_cpu_s": cpu_s, "target": 0.8, "met": ratio >= 0.8}))
 
 
 if __name__ == "__main__":
