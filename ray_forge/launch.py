@@ -18,7 +18,7 @@ from ray_forge.cluster import POOL_LABEL, Pools
 from ray_forge.grpo_config import JobConfig
 from ray_forge.remote import get
 from ray_forge.trainer_group import TrainerGroup
-from ray_forge.weights import StoreSpec, WeightStore
+from ray_forge.weights import StoreSpec, WeightStore, resolve_transport
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,15 @@ class Actors:
     _all: list = field(default_factory=list)
 
     def shutdown(self) -> None:
-        """Polite shutdown (vLLM engine cores, process groups), then kill, then free the pools."""
-        for policy in self.policies:
+        """Polite shutdown (vLLM engine cores, envs' sessions and sandboxes, process groups), then
+        kill, then free the pools."""
+        polite = [(p.shutdown, f"policy-{i}.shutdown") for i, p in enumerate(self.policies)]
+        polite += [(e.close, f"env-{i}.close") for i, e in enumerate(self.envs)]
+        for method, what in polite:
             try:
-                get(policy.shutdown.remote(), timeout_s=30, what="policy.shutdown")
+                get(method.remote(), timeout_s=30, what=what)
             except Exception as err:  # the actor may already be dead
-                log.warning("policy shutdown: %s", err)
+                log.warning("%s: %s", what, err)
         self.trainer.shutdown()
         for handle in self._all:
             ray.kill(handle, no_restart=True)
@@ -154,17 +157,6 @@ def log_placement(actor_nodes: dict[str, str]) -> None:
         node = nodes.get(node_id, {})
         log.info("node %s (%s=%s): %s", node.get("NodeManagerAddress", node_id[:8]), POOL_LABEL,
                  node.get("Labels", {}).get(POOL_LABEL, "-"), ", ".join(names))
-
-
-def resolve_transport(choice: str, trainer_nodes: list[str], policy_nodes: list[str]) -> str:
-    """'auto' is shared memory when every policy and every trainer rank share one node (each rank
-    writes its shards on its own node), else the object store. 'nccl' is the old name of 'collective'."""
-    if choice == "nccl":
-        log.warning("weights.transport=nccl is deprecated: it is now 'collective' (NCCL on GPUs, gloo on CPUs)")
-        return "collective"
-    if choice != "auto":
-        return choice
-    return "shm" if len(set(trainer_nodes) | set(policy_nodes)) == 1 else "object_store"
 
 
 def store_spec(config: JobConfig, name: str, transport: str) -> StoreSpec:

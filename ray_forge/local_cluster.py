@@ -18,11 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+from ray_forge.net import free_port
 
 
 @dataclass(frozen=True)

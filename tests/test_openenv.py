@@ -26,16 +26,11 @@ pytest.importorskip("openenv", reason="openenv-core is installed by `make` (the 
 from envs.blackjack import BlackjackTextEnv, State, render_state  # noqa: E402
 from envs.openenv_adapter import OpenEnvError, OpenEnvTextEnv, blackjack_state  # noqa: E402
 from ray_forge.actors.env_pool import EnvPool  # noqa: E402
+from ray_forge.net import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import openspiel_server  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

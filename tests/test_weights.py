@@ -80,7 +80,7 @@ def test_unavailable_transports_say_what_is_missing():
 
 
 def test_auto_picks_shared_memory_only_when_every_rank_and_engine_share_a_node():
-    from ray_forge.launch import resolve_transport
+    from ray_forge.weights import resolve_transport
 
     assert resolve_transport("auto", ["a", "a"], ["a", "a"]) == "shm"
     assert resolve_transport("auto", ["a", "b"], ["a"]) == "object_store"  # rank 1 writes its shards on b

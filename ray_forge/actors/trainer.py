@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import math
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from ray_forge.checkpoint import TRAINER_DIR, rank_file
 from ray_forge.episode import Sample
 from ray_forge.grpo import TOKEN_STATS as STATS, grpo_loss, loss_normalizer, token_logprobs_and_entropy
 from ray_forge.grpo_config import GRPOConfig, TrainerConfig
+from ray_forge.net import free_port
 from ray_forge.sync_check import Scored
 from ray_forge.titan_cpu import require_dtype
 from ray_forge.titan_qwen3 import build_sharded_qwen3, full_hf_state_dict
@@ -33,10 +33,7 @@ def device_type() -> str:
 
 def free_address() -> tuple[str, int]:
     """This node's IP and a free TCP port for the process group's rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

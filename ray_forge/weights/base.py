@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
 import torch
 
 from ray_forge.weights.layout import Bucket
+
+log = logging.getLogger(__name__)
 
 TRANSPORTS = ("shm", "object_store", "collective", "torchstore")
 PUSH_TRANSPORTS = ("collective",)
@@ -141,3 +144,14 @@ class Transport(Protocol):
     def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]: ...
 
     def free(self, part: Part) -> None: ...
+
+
+def resolve_transport(choice: str, trainer_nodes: list[str], policy_nodes: list[str]) -> str:
+    """'auto' is shared memory when every policy and every trainer rank share one node (each rank
+    writes its shards on its own node), else the object store. 'nccl' is the old name of 'collective'."""
+    if choice == "nccl":
+        log.warning("weights.transport=nccl is deprecated: it is now 'collective' (NCCL on GPUs, gloo on CPUs)")
+        return "collective"
+    if choice != "auto":
+        return choice
+    return "shm" if len(set(trainer_nodes) | set(policy_nodes)) == 1 else "object_store"
