@@ -25,6 +25,9 @@ class FleetError(RuntimeError):
     """No live member of a role is left, or a batch failed on every one."""
 
 
+MAX_PLAY_ATTEMPTS = 16
+"""Times a chunk of games is played again after an actor playing it died, before the run stops."""
+
 MAX_FAILED_PUSHES = 3
 """Consecutive weight pushes that may fail (engines keep their version) before the run stops."""
 
@@ -58,7 +61,10 @@ class Fleet:
         """Play ``groups`` on the chunk's pair: the env actor runs the games against the policy
         engine (``EnvPool.play``) and, with ``sink``, puts them in the buffer itself. If either
         dies the groups are replayed on another pair from their seeds."""
-        attempts = 2 * max(self.num.values()) + 2
+        # A chunk is in play on one env actor for its whole length, so every kill of it or its engine
+        # meanwhile costs it an attempt: only a chunk whose actors die this many times in a row
+        # (a seed that crashes them, a fleet that cannot stay up) stops the run.
+        attempts = MAX_PLAY_ATTEMPTS
         # A backstop: every call the worker makes has its own timeout.
         limit_s = (settings.max_turns + 1) * (settings.policy_timeout_s + settings.env_timeout_s) + 60
         for attempt in range(attempts):
