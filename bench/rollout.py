@@ -40,6 +40,7 @@ from ray_forge.config import load_config  # noqa: E402
 from ray_forge.fleet import Fleet  # noqa: E402
 from ray_forge.grpo_config import JobConfig  # noqa: E402
 from ray_forge.models import make_tiny_qwen3  # noqa: E402
+from ray_forge.rollout import batch_groups  # noqa: E402
 
 DEMO = Path(__file__).resolve().parent.parent / "jobs" / "configs" / "blackjack_tiny.yaml"
 
@@ -53,7 +54,7 @@ async def play(config: JobConfig, fleet: Fleet, buffer, batches: range, chunks: 
     await asyncio.gather(*(
         fleet.play(i, groups[i::chunks], settings, key=b * chunks + i, sink=(buffer, b, i, chunks))
         for b in batches
-        for groups in [[(g, config.run.seed * 1_000_003 + g) for g in range(b * per_batch, (b + 1) * per_batch)]]
+        for groups in [batch_groups(config.run.seed, b, per_batch)]
         for i in range(chunks)))
     return time.perf_counter() - start
 

@@ -53,7 +53,8 @@ from ray_forge.grpo_config import JobConfig  # noqa: E402
 from ray_forge.launch import Actors, start_actors  # noqa: E402
 from ray_forge.metrics import MetricsLog, metrics_row, read_metrics  # noqa: E402
 from ray_forge.models import ModelError, check_model_dir, make_tiny_qwen3  # noqa: E402
-from ray_forge.remote import RemoteCallError, call, get  # noqa: E402
+from ray_forge.remote import RemoteCallError, call, computed, get  # noqa: E402
+from ray_forge.rollout import batch_groups  # noqa: E402
 from ray_forge.run_dir import FINISHED_FILE, Run, create, open_run, truncate_metrics  # noqa: E402
 from ray_forge.weights import WeightSyncError  # noqa: E402
 
@@ -107,8 +108,7 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
 
     async def play(batch: int) -> None:
         start = time.monotonic()
-        group_ids = range(batch * num_groups, (batch + 1) * num_groups)
-        groups = [(gid, config.run.seed * 1_000_003 + gid) for gid in group_ids]
+        groups = batch_groups(config.run.seed, batch, num_groups)
         counts = await asyncio.gather(*(
             fleet.play(i, groups[i::num_chunks], settings, key=batch * num_chunks + i,
                        sink=(actors.buffer, batch, i, num_chunks))
@@ -120,8 +120,9 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
     try:
         while not state.stop.is_set() or playing:
             # Rollout time: the time some batch was in play (the rates in the metrics divide by it).
-            now, was_playing = time.monotonic(), bool(playing)
-            state.rollout_seconds += (now - clock) if was_playing else 0.0
+            now = time.monotonic()
+            if playing:
+                state.rollout_seconds += now - clock
             clock = now
             if not state.stop.is_set() and batch <= fleet.serving + config.buffer.max_policy_lag:
                 playing.add(asyncio.create_task(play(batch)))
@@ -144,7 +145,7 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState,
     reference to the samples, which the trainer fetches itself); fails if the rollout loop died."""
     # A backstop only: every call of the rollout has its own timeout, and a batch may need a
     # generate and a step per turn, and a replay after a restart, before it is in the buffer.
-    limit_s = 2 * (config.env.max_turns + 1) * (config.policy.call_timeout_s + config.env.call_timeout_s)
+    limit_s = 2 * rollout_settings(config).play_limit_s
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if rollout.done():
@@ -224,13 +225,6 @@ async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fl
     raise AssertionError("unreachable")
 
 
-async def ready(ref: ray.ObjectRef, timeout_s: float, what: str) -> None:
-    """Wait until ``ref`` is computed without fetching it here (the trainer ranks fetch it)."""
-    done, _ = await asyncio.to_thread(ray.wait, [ref], timeout=timeout_s, fetch_local=False)
-    if not done:
-        raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s", what)
-
-
 async def timed(work, key: str) -> tuple[object, dict[str, float]]:
     """(what the awaitable ``work`` returns, {key: seconds it took}); (None, {}) for no work."""
     if work is None:
@@ -296,7 +290,7 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
             ref = None
             if actors.reference is not None and batch_stats["num_rows"]:
                 ref = actors.reference.logprobs.remote(samples)
-                await ready(ref, config.reference.call_timeout_s, "ref.logprobs")  # its answer goes to the trainer
+                await computed(ref, timeout_s=config.reference.call_timeout_s, what="ref.logprobs")  # for the trainer
             train_start = time.monotonic()
             train_stats = await actors.trainer.train_step(samples, ref)
             train_stats["train_s"] = time.monotonic() - train_start

@@ -20,22 +20,9 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoopStats:
-    """Counters since the loop started; a reader takes differences."""
-
-    steps: int = 0
-    updates: int = 0
-    paused_s: float = 0.0
-    """Time generation stood still for weight updates (load, cache reset), summed."""
-    busy_s: float = 0.0
-    """Time spent inside ``engine.step``."""
 
 
 class EngineLoop:
@@ -46,8 +33,8 @@ class EngineLoop:
                  name: str = "vllm-step-loop") -> None:
         self.engine = engine
         self._on_failure = on_failure
-        self.version = version
-        self.stats = LoopStats()
+        self.steps = 0
+        """Engine steps taken so far."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: dict[str, Future] = {}
         self._ids = itertools.count()
@@ -175,42 +162,32 @@ class EngineLoop:
 
     def _update(self, load: Callable, version: int, future: Future) -> None:
         start = time.monotonic()
-
-        def swap():
-            result = load(self.engine)
-            if result is False:  # nothing was loaded (see ``update``)
-                return result
-            # Cached prefixes hold keys and values of the old weights. With requests running,
-            # a plain reset frees nothing (and returns False): preempting them recomputes their
-            # context on the new weights, keeping the tokens they sampled.
-            if not self.engine.reset_prefix_cache(reset_running_requests=True):
-                self.label(-1)  # new weights, old cached prefixes: tokens from here on belong to no version
-                raise RuntimeError("vLLM refused to reset its prefix cache after a weight update: cached "
-                                   "prefixes would mix two policy versions")
-            self.label(version)
-            self.stats.updates += 1
-            return result
-
         try:
-            result = swap()
+            result = load(self.engine)
+            if result is not False:  # something was loaded (see ``update``)
+                self._drop_cached_prefixes(version)
         except Exception as err:
-            self.stats.paused_s += time.monotonic() - start
             future.set_exception(err)
-            return
-        paused_s = time.monotonic() - start
-        self.stats.paused_s += paused_s
-        future.set_result((result, paused_s))
+        else:
+            future.set_result((result, time.monotonic() - start))
+
+    def _drop_cached_prefixes(self, version: int) -> None:
+        # Cached prefixes hold keys and values of the old weights. With requests running, a plain
+        # reset frees nothing (and returns False): preempting them recomputes their context on the
+        # new weights, keeping the tokens they sampled.
+        if not self.engine.reset_prefix_cache(reset_running_requests=True):
+            self.label(-1)  # new weights, old cached prefixes: tokens from here on belong to no version
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update: cached "
+                               "prefixes would mix two policy versions")
+        self.label(version)
 
     def label(self, version: int) -> None:
         """Tokens sampled from now on carry ``version`` (on the loop thread: from a ``load``)."""
         self.engine.set_weight_version(str(version))
-        self.version = version
 
     def _step(self) -> None:
-        start = time.monotonic()
         outputs = self.engine.step()
-        self.stats.busy_s += time.monotonic() - start
-        self.stats.steps += 1
+        self.steps += 1
         for output in outputs:
             if output.finished:
                 future = self._waiting.pop(output.request_id, None)

@@ -32,9 +32,8 @@ async def greedy_pass_rate(policy, env_pool, tasks: list[TaskLike], settings: Ro
     """
     # Ahead of the rollouts' requests: the training loop waits for this evaluation.
     settings = dataclasses.replace(settings, group_size=1, greedy=True, priority=-1)
-    limit_s = (settings.max_turns + 1) * (settings.policy_timeout_s + settings.env_timeout_s)
     groups = await call(env_pool.play.remote(policy, "policy-0", [(i, i) for i in range(len(tasks))], settings,
-                                             EVAL_KEY), timeout_s=limit_s, what="env-0.play")
+                                             EVAL_KEY), timeout_s=settings.play_limit_s, what="env-0.play")
     rows = [dict(id=task.id, kind=task.kind, reward=episode.reward, error=episode.error,
                  completion="".join(turn.text for turn in episode.turns))
             for task, (episode,) in zip(tasks, groups, strict=True)]

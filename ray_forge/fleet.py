@@ -64,17 +64,14 @@ class Fleet:
         # A chunk is in play on one env actor for its whole length, so every kill of it or its engine
         # meanwhile costs it an attempt: only a chunk whose actors die this many times in a row
         # (a seed that crashes them, a fleet that cannot stay up) stops the run.
-        attempts = MAX_PLAY_ATTEMPTS
-        # A backstop: every call the worker makes has its own timeout.
-        limit_s = (settings.max_turns + 1) * (settings.policy_timeout_s + settings.env_timeout_s) + 60
-        for attempt in range(attempts):
+        for attempt in range(MAX_PLAY_ATTEMPTS):
             policy, env = await self._pick("policy", chunk + attempt), await self._pick("env", chunk + attempt)
             try:
                 # A key of its own per attempt: an env actor that was only unreachable may still be
                 # playing the first attempt, and two plays must never share an env.
                 return await call(self.members[env].play.remote(self.members[policy], policy, groups, settings,
                                                                 (key, attempt), sink),
-                                  timeout_s=limit_s, what=f"{env}.play")
+                                  timeout_s=settings.play_limit_s + 60, what=f"{env}.play")
             except RemoteCallError as err:
                 if not err.died or err.actor not in self.members:
                     raise
@@ -82,7 +79,7 @@ class Fleet:
                 self.replayed_games += games
                 log.warning("%s; replaying its %d games from their seeds", err, games)
                 self.recover(err.actor)
-        raise FleetError(f"a batch of {len(groups)} groups failed on {attempts} policy/env pairs")
+        raise FleetError(f"a batch of {len(groups)} groups failed on {MAX_PLAY_ATTEMPTS} policy/env pairs")
 
     async def _pick(self, role: str, start: int) -> str:
         """The first live member of ``role`` from index ``start`` on; waits if all are restarting."""

@@ -44,6 +44,13 @@ async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> Any:
         raise
 
 
+async def computed(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> None:
+    """Wait until ``ref`` is computed without fetching it here (whoever it is passed on to fetches it)."""
+    done, _ = await asyncio.to_thread(ray.wait, [ref], timeout=timeout_s, fetch_local=False)
+    if not done:
+        raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s", what)
+
+
 def get(ref: ray.ObjectRef | list[ray.ObjectRef], *, timeout_s: float, what: str) -> Any:
     """Blocking ``ray.get`` with the same error contract as :func:`call`."""
     try:

@@ -28,6 +28,18 @@ class RolloutSettings:
     priority: int = 0
     """The engine schedules waiting requests of a lower priority first (evaluations: -1)."""
 
+    @property
+    def play_limit_s(self) -> float:
+        """Longest a chunk's play may take when every turn's policy and env calls use their whole
+        timeouts: the backstop of waits on a whole play."""
+        return (self.max_turns + 1) * (self.policy_timeout_s + self.env_timeout_s)
+
+
+def batch_groups(run_seed: int, batch: int, num_groups: int) -> list[tuple[int, int]]:
+    """(group id, seed) of every group of rollout batch ``batch``: fixed by the run's seed, so a
+    replayed or resumed batch deals the same cards."""
+    return [(gid, run_seed * 1_000_003 + gid) for gid in range(batch * num_groups, (batch + 1) * num_groups)]
+
 
 class RemoteEnvs:
     """An env pool actor, every call under the rollout's env timeout."""

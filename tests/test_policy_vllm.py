@@ -154,10 +154,10 @@ def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_mo
         # n sequences per prompt through vLLM's sampler: 2,880 sequences, many engine steps.
         monkeypatch.setattr(policy, "draws", False)
         in_flight: list = []
-        steps = policy.loop.stats.steps
+        steps = policy.loop.steps
         batch = threading.Thread(target=lambda: in_flight.extend(policy.generate(states * 8, seed=5)))
         batch.start()
-        while policy.loop.stats.steps < steps + 2:  # the batch is generating
+        while policy.loop.steps < steps + 2:  # the batch is generating
             assert batch.is_alive(), "the batch finished before the update could land in it"
             time.sleep(0.001)
         timing = policy.update_weights(store.spec, 22)

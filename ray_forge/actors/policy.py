@@ -6,7 +6,6 @@ weight update is loaded between two engine steps while the requests in flight wa
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -292,10 +291,6 @@ class VLLMPolicy:
         worker of the engine, e.g. ``weights_digest``; returns each worker's answer."""
         return self.loop.run(lambda engine: self.llm.collective_rpc(method, args=args)).result(
             timeout=self.config.call_timeout_s)
-
-    def loop_stats(self) -> dict[str, float]:
-        """The step loop's counters (steps, updates, seconds paused and stepping) since it started."""
-        return dataclasses.asdict(self.loop.stats)
 
     def num_workers(self) -> int:
         """vLLM workers of this engine: each takes its own rank in a collective push."""
