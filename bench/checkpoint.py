@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ray_forge import checkpoint  # noqa: E402
 from ray_forge.config import load_config  # noqa: E402
-from ray_forge.grpo_config import JobConfig  # noqa: E402
+from ray_forge.config.schema import JobConfig  # noqa: E402
+from ray_forge.core import checkpoint  # noqa: E402
 
 CONFIG = ROOT / "jobs/configs/blackjack_tiny.yaml"
 

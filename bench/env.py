@@ -27,8 +27,8 @@ import gymnasium as gym  # noqa: E402
 import ray  # noqa: E402
 
 from ray_forge.actors.env_pool import EnvPoolActor  # noqa: E402
-from ray_forge.episode import Turn  # noqa: E402
-from ray_forge.rollout import RolloutSettings  # noqa: E402
+from ray_forge.actors.rollout import RolloutSettings  # noqa: E402
+from ray_forge.core.episode import Turn  # noqa: E402
 
 GROUP = 8
 

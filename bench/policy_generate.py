@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from envs.blackjack import ACTION_WORDS, BlackjackTextEnv  # noqa: E402
-from ray_forge.grpo_config import PolicyConfig, TinyModelConfig  # noqa: E402
-from ray_forge.models import make_tiny_qwen3  # noqa: E402
+from ray_forge.config.schema import PolicyConfig, TinyModelConfig  # noqa: E402
+from ray_forge.models.tiny import make_tiny_qwen3  # noqa: E402
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ One Hugging Face Qwen3 in torch plays every game of a step itself: at each turn 
 prompts of all games still playing go through one forward pass (at most 360 states exist), each
 game samples its action from the restricted distribution (HIT/STICK tokens, temperature 1), and
 the step trains on the same GRPO loss, advantages and sample merging as ``jobs/grpo.py``
-(``ray_forge.grpo``, ``ray_forge.batch``). It uses the `make demo` config: the same tiny model,
+(``ray_forge.core.algorithm``, ``ray_forge.core.batch``). It uses the `make demo` config: the same tiny model,
 games per step, group size, learning rate and schedule. Synchronous: every batch is on-policy.
 
 It is what a pipeline with actors is measured against (issue 13): run it beside ``make demo`` in
@@ -33,12 +33,12 @@ sys.path.insert(0, str(ROOT))
 from envs.blackjack import ACTION_WORDS, BlackjackTextEnv, evaluate  # noqa: E402
 from ray_forge.actors.policy import action_token_ids  # noqa: E402
 from ray_forge.actors.trainer import lr_factor  # noqa: E402
-from ray_forge.batch import collate, groups_to_samples  # noqa: E402
 from ray_forge.config import load_config  # noqa: E402
-from ray_forge.episode import Episode, Turn  # noqa: E402
-from ray_forge.grpo import grpo_loss, loss_normalizer, token_logprobs_and_entropy  # noqa: E402
-from ray_forge.grpo_config import JobConfig  # noqa: E402
-from ray_forge.models import make_tiny_qwen3  # noqa: E402
+from ray_forge.config.schema import JobConfig  # noqa: E402
+from ray_forge.core.algorithm import grpo_loss, loss_normalizer, token_logprobs_and_entropy  # noqa: E402
+from ray_forge.core.batch import collate, groups_to_samples  # noqa: E402
+from ray_forge.core.episode import Episode, Turn  # noqa: E402
+from ray_forge.models.tiny import make_tiny_qwen3  # noqa: E402
 
 CONFIG = ROOT / "jobs/configs/blackjack_tiny.yaml"
 

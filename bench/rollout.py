@@ -36,11 +36,11 @@ from jobs.env_hooks import rollout_settings  # noqa: E402
 from ray_forge.actors.buffer import BufferActor  # noqa: E402
 from ray_forge.actors.env_pool import EnvPoolActor  # noqa: E402
 from ray_forge.actors.policy import PolicyActor  # noqa: E402
+from ray_forge.actors.rollout import batch_groups  # noqa: E402
 from ray_forge.config import load_config  # noqa: E402
-from ray_forge.fleet import Fleet  # noqa: E402
-from ray_forge.grpo_config import JobConfig  # noqa: E402
-from ray_forge.models import make_tiny_qwen3  # noqa: E402
-from ray_forge.rollout import batch_groups  # noqa: E402
+from ray_forge.config.schema import JobConfig  # noqa: E402
+from ray_forge.models.tiny import make_tiny_qwen3  # noqa: E402
+from ray_forge.run.fleet import Fleet  # noqa: E402
 
 DEMO = Path(__file__).resolve().parent.parent / "jobs" / "configs" / "blackjack_tiny.yaml"
 

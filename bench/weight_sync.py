@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ray_forge.local_cluster import LocalCluster, NodeSpec  # noqa: E402
+from ray_forge.cluster.local import LocalCluster, NodeSpec  # noqa: E402
 from ray_forge.weights import StoreSpec, WeightStore  # noqa: E402
 
 GB = 10**9
@@ -332,7 +332,7 @@ def summarize(results: dict, memcpy: float, tcp_ceiling: float, nbytes: int, buc
 # -- --sharded: the trainer's publish, gathered (before) and sharded (after) -------------------------
 def _trainer_class():
     from ray_forge.actors.trainer import TitanTrainer
-    from ray_forge.titan_qwen3 import full_hf_state_dict
+    from ray_forge.models.qwen3 import full_hf_state_dict
     from ray_forge.weights.shards import local_hf_pieces
 
     class BenchTrainer(TitanTrainer):
@@ -394,9 +394,9 @@ def sharded_main(args) -> dict:
     from safetensors import safe_open
 
     from envs.blackjack import BlackjackTextEnv
-    from ray_forge.grpo_config import GRPOConfig, TinyModelConfig, TrainerConfig
-    from ray_forge.models import make_tiny_qwen3
-    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.actors.trainer_group import TrainerGroup
+    from ray_forge.config.schema import GRPOConfig, TinyModelConfig, TrainerConfig
+    from ray_forge.models.tiny import make_tiny_qwen3
 
     heads = args.hidden // 64
     shape = TinyModelConfig(hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden) // 64 * 64,

@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ray_forge.cluster import POOL_LABEL  # noqa: E402
-from ray_forge.local_cluster import LocalCluster, NodeSpec  # noqa: E402
+from ray_forge.cluster.local import LocalCluster, NodeSpec  # noqa: E402
+from ray_forge.cluster.pools import POOL_LABEL  # noqa: E402
 
 GPU_NODE, CPU_NODE = "127.0.0.2", "127.0.0.3"
 SHORT = ["run.steps=2", "run.eval_every=2", "run.eval_mc_games=200", "grpo.games_per_step=64", "grpo.kl_coef=0.05",

@@ -19,7 +19,7 @@ case "${1:-}" in
     helm repo add kuberay https://ray-project.github.io/kuberay-helm/ >/dev/null
     helm repo update kuberay >/dev/null
     helm upgrade --install kuberay-operator kuberay/kuberay-operator --version "$KUBERAY_VERSION" --wait
-    "$PY" -m ray_forge.manifests --from-cluster cluster/rayjob-blackjack.yaml cluster/raycluster.yaml ;;
+    "$PY" -m ray_forge.cluster.manifests --from-cluster cluster/rayjob-blackjack.yaml cluster/raycluster.yaml ;;
   secrets)
     # Values go through stdin, so they never appear in a command line, a file or a manifest.
     if [[ -n "${TOGETHER_API_KEY:-}" ]]; then
@@ -31,11 +31,11 @@ case "${1:-}" in
         --dry-run=client -o yaml | k apply -f -
     fi ;;
   job)
-    "$PY" -m ray_forge.manifests --from-cluster cluster/rayjob-blackjack.yaml
+    "$PY" -m ray_forge.cluster.manifests --from-cluster cluster/rayjob-blackjack.yaml
     k apply -f cluster/pvc.yaml -f cluster/rayjob-blackjack.yaml
     k get rayjob ray-forge-blackjack -w ;;
   cluster)
-    "$PY" -m ray_forge.manifests --from-cluster cluster/raycluster.yaml
+    "$PY" -m ray_forge.cluster.manifests --from-cluster cluster/raycluster.yaml
     k apply -f cluster/pvc.yaml -f cluster/raycluster.yaml
     k wait --for=condition=ready pod -l ray.io/cluster=ray-forge --timeout=30m ;;
   dashboard)

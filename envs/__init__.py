@@ -1,1 +1,1 @@
-"""Environments. They follow ``ray_forge.env.TextEnv`` and never import Ray, vLLM or TorchTitan."""
+"""Environments. They follow ``ray_forge.core.env.TextEnv`` and never import Ray, vLLM or TorchTitan."""

@@ -21,7 +21,7 @@ from typing import Any, Callable, Coroutine, Protocol
 
 from envs.blackjack import ACTION_WORDS, State, parse_action, render_state
 from envs.blackjack.env import outcome_text
-from ray_forge.env import StepResult
+from ray_forge.core.env import StepResult
 
 
 class OpenEnvError(RuntimeError):

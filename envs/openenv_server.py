@@ -21,7 +21,7 @@ from openenv.core.env_server import Action, Environment, Observation, State, cre
 from pydantic import Field
 
 from envs.registry import env_factory
-from ray_forge.env import TextEnv
+from ray_forge.core.env import TextEnv
 
 
 class TextAction(Action):
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from ray_forge.config import load_config
-    from ray_forge.grpo_config import JobConfig
+    from ray_forge.config.schema import JobConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="a job config whose env section to serve")

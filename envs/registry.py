@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ray_forge.env import TextEnv
+from ray_forge.core.env import TextEnv
 
 NAMES = ("blackjack", "code", "openenv")
 

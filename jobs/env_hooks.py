@@ -13,13 +13,13 @@ from envs.blackjack.exact import all_states
 from envs.blackjack.plots import run_pictures
 from envs.code.env import CodeEnv
 from envs.code.tasks import BUNDLED, load_tasks
+from ray_forge.actors.launch import Actors
+from ray_forge.actors.rollout import RolloutSettings
 from ray_forge.config import ConfigError
-from ray_forge.evaluation import greedy_pass_rate
-from ray_forge.grpo_config import JobConfig
-from ray_forge.launch import Actors
-from ray_forge.plots import learning_curve_png
+from ray_forge.config.schema import JobConfig
+from ray_forge.observe.plots import learning_curve_png
 from ray_forge.remote import get
-from ray_forge.rollout import RolloutSettings
+from ray_forge.run.evaluation import greedy_pass_rate
 
 
 def rollout_settings(config: JobConfig) -> RolloutSettings:

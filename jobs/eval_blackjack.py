@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from envs.blackjack import ACTION_WORDS, DEFAULT_PENALTY, evaluate  # noqa: E402
 from ray_forge.actors.policy import VLLMPolicy  # noqa: E402
 from ray_forge.config import load_config  # noqa: E402
-from ray_forge.grpo_config import JobConfig, PolicyConfig  # noqa: E402
-from ray_forge.models import check_model_dir  # noqa: E402
-from ray_forge.run_dir import CONFIG_FILE  # noqa: E402
+from ray_forge.config.schema import JobConfig, PolicyConfig  # noqa: E402
+from ray_forge.models.tiny import check_model_dir  # noqa: E402
+from ray_forge.run.directory import CONFIG_FILE  # noqa: E402
 
 log = logging.getLogger("eval_blackjack")
 

@@ -16,7 +16,7 @@ Flow: config -> actors (resumed: trainer, buffer and rollout position restored, 
 -> rollout and training loops running concurrently -> weight push after every step -> periodic
 greedy evaluation -> a checkpoint every ``run.checkpoint_every`` steps -> final policy saved as
 an HF folder -> shutdown. Env actors and engines that die are restarted by Ray and their games
-replayed (``ray_forge/fleet.py``); ``chaos.every_s`` kills some on purpose.
+replayed (``ray_forge/run/fleet.py``); ``chaos.every_s`` kills some on purpose.
 The env (``env.name``; for an OpenEnv server, ``env.openenv.kind``) decides three things only, in
 ``jobs/env_hooks.py``: the texts a tiny model's tokenizer is trained on, the evaluation (BlackJack:
 exact return of the greedy decision table; code: greedy pass rate over every task, scored by the
@@ -43,19 +43,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # env_hooks, beside this file
 
 from env_hooks import EnvHooks, env_hooks, rollout_settings  # noqa: E402
-from ray_forge import checkpoint, cluster, sync_check  # noqa: E402
+
 from ray_forge.actors.buffer import COUNTERS  # noqa: E402
-from ray_forge.chaos import chaos_monkey  # noqa: E402
-from ray_forge.checkpoint import CheckpointError  # noqa: E402
+from ray_forge.actors.launch import Actors, start_actors  # noqa: E402
+from ray_forge.actors.rollout import batch_groups  # noqa: E402
+from ray_forge.cluster import pools  # noqa: E402
 from ray_forge.config import ConfigError  # noqa: E402
-from ray_forge.fleet import Fleet, FleetError  # noqa: E402
-from ray_forge.grpo_config import JobConfig  # noqa: E402
-from ray_forge.launch import Actors, start_actors  # noqa: E402
-from ray_forge.metrics import MetricsLog, metrics_row, read_metrics  # noqa: E402
-from ray_forge.models import ModelError, check_model_dir, make_tiny_qwen3  # noqa: E402
+from ray_forge.config.schema import JobConfig  # noqa: E402
+from ray_forge.core import checkpoint  # noqa: E402
+from ray_forge.core.checkpoint import CheckpointError  # noqa: E402
+from ray_forge.models.tiny import ModelError, check_model_dir, make_tiny_qwen3  # noqa: E402
+from ray_forge.observe.metrics import MetricsLog, metrics_row, read_metrics  # noqa: E402
 from ray_forge.remote import RemoteCallError, call, computed, get  # noqa: E402
-from ray_forge.rollout import batch_groups  # noqa: E402
-from ray_forge.run_dir import FINISHED_FILE, Run, create, open_run, truncate_metrics  # noqa: E402
+from ray_forge.run import sync_check  # noqa: E402
+from ray_forge.run.chaos import chaos_monkey  # noqa: E402
+from ray_forge.run.directory import FINISHED_FILE, Run, create, open_run, truncate_metrics  # noqa: E402
+from ray_forge.run.fleet import Fleet, FleetError  # noqa: E402
 from ray_forge.weights import WeightSyncError  # noqa: E402
 
 log = logging.getLogger("grpo")
@@ -255,7 +258,7 @@ def accounting(buffer_stats: dict[str, int], fleet: Fleet, state: LoopState, car
 
 async def save_checkpoint(config: JobConfig, actors: Actors, run_dir: Path, progress: Progress) -> float:
     """Trainer shards (every rank), then the buffer and rollout position in one call, then the
-    driver's state; made visible atomically (see ``ray_forge/checkpoint.py``). Returns seconds."""
+    driver's state; made visible atomically (see ``ray_forge/core/checkpoint.py``). Returns seconds."""
     start = time.monotonic()
     staging = await asyncio.to_thread(checkpoint.staging_dir, run_dir, progress.step)
     try:
@@ -421,7 +424,7 @@ async def run_job(run: Run, hooks: EnvHooks, model_dir: str, progress: Progress,
     config, run_dir = run.config, run.run_dir
     # A resumed run gets a namespace of its own: the killed attempt's named actors may not be gone yet.
     namespace = run_dir.name + (f"-resumed-{time.strftime('%H%M%S')}" if run.resumed else "")
-    started_ray = cluster.connect(config.cluster, namespace=namespace)
+    started_ray = pools.connect(config.cluster, namespace=namespace)
     actors = None
     try:
         actors = start_actors(config, model_dir, store_name=run_dir.name)

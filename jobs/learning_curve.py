@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from ray_forge.metrics import read_metrics  # noqa: E402
+from ray_forge.observe.metrics import read_metrics  # noqa: E402
 
 
 def curve_table(run_dir: Path) -> str:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{len(dirs)} runs but {len(labels)} labels")
     if args.time_png:
         from envs.blackjack.plots import reference_returns
-        from ray_forge.plots import returns_against_time_png
+        from ray_forge.observe.plots import returns_against_time_png
 
         curves = {label: evals_against_time(read_metrics(d / "metrics.jsonl")) for label, d in zip(labels, dirs)}
         if args.reference:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                                        args.target, reference_returns()))
     if args.png:
         from envs.blackjack.plots import reference_returns
-        from ray_forge.plots import runs_side_by_side_png
+        from ray_forge.observe.plots import runs_side_by_side_png
 
         runs = {label: read_metrics(d / "metrics.jsonl") for label, d in zip(labels, dirs)}
         print(runs_side_by_side_png(runs, args.png, "BlackJack GRPO: evaluation return", reference_returns()))

@@ -31,8 +31,8 @@ def ray_cluster():
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Qwen3 with the BlackJack tokenizer, made once per session."""
     from envs.blackjack import BlackjackTextEnv
-    from ray_forge.grpo_config import TinyModelConfig
-    from ray_forge.models import make_tiny_qwen3
+    from ray_forge.config.schema import TinyModelConfig
+    from ray_forge.models.tiny import make_tiny_qwen3
 
     folder = tmp_path_factory.mktemp("models") / "tiny_qwen3"
     return str(make_tiny_qwen3(folder, BlackjackTextEnv.corpus(),

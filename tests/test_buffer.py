@@ -1,7 +1,7 @@
 """Replay buffer eviction, hand-out and chunk rules (Ray only where the samples go to the object store)."""
 
 from ray_forge.actors.buffer import COUNTERS, ReplayBuffer
-from ray_forge.episode import Episode, Turn
+from ray_forge.core.episode import Episode, Turn
 
 
 def _group(version, group_id, size=2):

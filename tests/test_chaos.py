@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ray_forge import checkpoint
 from ray_forge.actors.buffer import COUNTERS
+from ray_forge.core import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 

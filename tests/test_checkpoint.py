@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ray_forge import checkpoint
-from ray_forge.checkpoint import CheckpointError
+from ray_forge.core import checkpoint
+from ray_forge.core.checkpoint import CheckpointError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ def test_a_leftover_partial_write_is_ignored_and_replaced(tmp_path):
 FULL_DISK = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from ray_forge import checkpoint
+    from ray_forge.core import checkpoint
     run_dir = Path(sys.argv[1])
     staging = checkpoint.staging_dir(run_dir, 2)
     (staging / "trainer" / "__0_0.distcp").write_bytes(b"w" * 100_000)

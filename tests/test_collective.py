@@ -36,10 +36,10 @@ def setup(ray_cluster, tiny_model_dir):
     from envs.blackjack import ACTION_WORDS, BlackjackTextEnv
     from ray_forge.actors.policy import PolicyActor
     from ray_forge.actors.trainer import TrainerActor
-    from ray_forge.episode import Sample
-    from ray_forge.fleet import Fleet
-    from ray_forge.grpo_config import GRPOConfig, PolicyConfig, TrainerConfig
-    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.actors.trainer_group import TrainerGroup
+    from ray_forge.config.schema import GRPOConfig, PolicyConfig, TrainerConfig
+    from ray_forge.core.episode import Sample
+    from ray_forge.run.fleet import Fleet
 
     tag = uuid.uuid4().hex[:6]
     names = tuple(f"collective-{tag}-policy-{i}" for i in range(2))

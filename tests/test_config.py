@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from ray_forge.config import ConfigError, load_config
-from ray_forge.grpo_config import JobConfig
+from ray_forge.config.schema import JobConfig
 
 CONFIGS = Path(__file__).parent.parent / "jobs" / "configs"
 
@@ -111,7 +111,7 @@ def test_every_config_field_has_a_docstring():
     import dataclasses
     import inspect
 
-    import ray_forge.grpo_config as schema
+    import ray_forge.config.schema as schema
 
     documented: dict[str, set[str]] = {}
     for node in ast.parse(inspect.getsource(schema)).body:

@@ -9,7 +9,7 @@ from envs.blackjack import ACTION_WORDS, BlackjackTextEnv, evaluate_table, rende
 from envs.blackjack.exact import all_states
 from envs.blackjack.policy_eval import state_key
 from ray_forge.actors.policy import VLLMPolicy, action_token_ids
-from ray_forge.grpo_config import PolicyConfig, TinyModelConfig
+from ray_forge.config.schema import PolicyConfig, TinyModelConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -35,7 +35,7 @@ def multi_token_model(tmp_path_factory):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ray_forge.models import make_tiny_qwen3
+    from ray_forge.models.tiny import make_tiny_qwen3
 
     folder = make_tiny_qwen3(tmp_path_factory.mktemp("models") / "tiny_qwen3_bpe", BlackjackTextEnv.corpus(),
                              TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from ray_forge.fleet import MAX_FAILED_PUSHES, Fleet, FleetError
+from ray_forge.run.fleet import MAX_FAILED_PUSHES, Fleet, FleetError
 from ray_forge.weights import StoreSpec
 
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from ray_forge.episode import Episode, Sample, Turn, episodes_to_samples, merge_identical
-from ray_forge.grpo import group_advantages, grpo_loss, k3_kl, token_logprobs_and_entropy
+from ray_forge.core.algorithm import group_advantages, grpo_loss, k3_kl, token_logprobs_and_entropy
+from ray_forge.core.episode import Episode, Sample, Turn, episodes_to_samples, merge_identical
 
 
 def test_group_advantages_normalise_within_groups_and_drop_flat_groups():

@@ -48,7 +48,7 @@ class MetricsScraper(threading.Thread):
 
 def last_logged(run_dir: Path) -> dict[str, float]:
     """The last value the run logged for each exported metric."""
-    from ray_forge.metrics import EXPORTED
+    from ray_forge.observe.metrics import EXPORTED
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {key: float(next(r[key] for r in reversed(rows) if r.get(key) is not None)) for key in EXPORTED}
@@ -151,7 +151,7 @@ def test_missing_model_path_fails_fast_with_the_path(tmp_path):
     sys.path.insert(0, str(ROOT / "jobs"))
     import grpo
 
-    from ray_forge.models import ModelError
+    from ray_forge.models.tiny import ModelError
 
     with pytest.raises(ModelError, match="does not exist"):
         grpo.main([f"run.output_dir={tmp_path / 'runs'}", f"model.path={tmp_path / 'missing'}"])

@@ -106,9 +106,9 @@ def test_trainer_steps_on_free_form_completions(finished_run, ray_cluster):
     from envs.code.env import CodeEnv
     from envs.code.tasks import load_tasks
     from ray_forge.actors.trainer import TrainerActor
-    from ray_forge.episode import Sample
-    from ray_forge.grpo_config import GRPOConfig, TrainerConfig
-    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.actors.trainer_group import TrainerGroup
+    from ray_forge.config.schema import GRPOConfig, TrainerConfig
+    from ray_forge.core.episode import Sample
 
     summary, run_dir = finished_run
     model_dir = run_dir / "final_policy"

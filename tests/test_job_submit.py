@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_forge.local_cluster import LocalCluster, NodeSpec
+from ray_forge.cluster.local import LocalCluster, NodeSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_forge.manifests import crd_schemas, load_documents, node_groups, validate
+from ray_forge.cluster.manifests import crd_schemas, load_documents, node_groups, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_DIR = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "kuberay"))  # KubeRay's config/crd/bases
@@ -44,7 +44,7 @@ def test_the_raycluster_has_the_rayjobs_shape(rayjob):
 
 def test_the_job_config_fits_the_node_pools_derived_from_the_manifest(rayjob):
     from ray_forge.config import load_config
-    from ray_forge.grpo_config import JobConfig
+    from ray_forge.config.schema import JobConfig
 
     groups = {g.name: g for g in node_groups(rayjob["spec"]["rayClusterSpec"])}
     assert (groups["head"].cpus, groups["head"].gpus) == (0, 0)
@@ -138,14 +138,14 @@ def test_the_sandbox_pods_carry_no_hf_token_and_only_the_sandboxs_needs(rayjob):
 
 
 def test_the_command_validates_and_fails_with_reasons(tmp_path, rayjob):
-    command = [sys.executable, "-m", "ray_forge.manifests", "--crd-dir", str(CRD_DIR), "--root", str(ROOT)]
+    command = [sys.executable, "-m", "ray_forge.cluster.manifests", "--crd-dir", str(CRD_DIR), "--root", str(ROOT)]
     ok = subprocess.run([*command, *map(str, MANIFESTS)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.count("ok  ") == 2
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(broken(rayjob, "spec.shutdownAfterJobFinishes", False)))
     crd_file = [f"--crd={f}" for f in sorted(CRD_DIR.glob("*.yaml"))]
-    failed = subprocess.run([sys.executable, "-m", "ray_forge.manifests", *crd_file, "--root", str(ROOT), str(bad)],
+    failed = subprocess.run([sys.executable, "-m", "ray_forge.cluster.manifests", *crd_file, "--root", str(ROOT), str(bad)],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert failed.returncode == 1
     assert "FAIL" in failed.stdout and "needs spec.shutdownAfterJobFinishes" in failed.stdout

@@ -4,7 +4,7 @@ import json
 import sys
 from pathlib import Path
 
-from ray_forge.metrics import MetricsLog, read_metrics
+from ray_forge.observe.metrics import MetricsLog, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,7 +54,7 @@ def test_the_grafana_dashboard_charts_every_exported_metric():
     import json
     import re
 
-    from ray_forge.metrics import EXPORTED
+    from ray_forge.observe.metrics import EXPORTED
 
     dashboard = json.loads((Path(__file__).resolve().parent.parent / "cluster/grafana-dashboard.json").read_text())
     charted = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"ray_forge_(\w+)\{", t["expr"])}
@@ -67,7 +67,7 @@ def test_progress_off_a_terminal_is_whole_lines():
     """What `ray job logs` shows: one readable line per interval and at the end, never a redraw."""
     import io
 
-    from ray_forge.metrics import PlainProgress
+    from ray_forge.observe.metrics import PlainProgress
 
     out = io.StringIO()
     bar = PlainProgress(total=3, file=out, interval_s=3600)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ray_forge.models import ModelError, check_model_dir
+from ray_forge.models.tiny import ModelError, check_model_dir
 
 
 def test_tiny_model_is_a_normal_hf_folder(tiny_model_dir):
@@ -37,8 +37,8 @@ def test_bpe_tokenizer_round_trips_code_exactly(tmp_path):
     decodes back exactly; the special tokens and eos are those of the word-level tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from ray_forge.grpo_config import TinyModelConfig
-    from ray_forge.models import SPECIAL_TOKENS, make_tiny_qwen3
+    from ray_forge.config.schema import TinyModelConfig
+    from ray_forge.models.tiny import SPECIAL_TOKENS, make_tiny_qwen3
 
     corpus = ["Write a function `digit_sum(n: int) -> int`.\nAnswer with the function in a ```python block.",
               "digit_sum(1234) == 10", "digit_sum(0) == 0"]
@@ -62,7 +62,7 @@ def test_bpe_tokenizer_round_trips_code_exactly(tmp_path):
 
 
 def test_unknown_tokenizer_kind_is_an_error():
-    from ray_forge.models import build_tokenizer
+    from ray_forge.models.tiny import build_tokenizer
 
     with pytest.raises(ValueError, match="unknown tokenizer kind"):
         build_tokenizer(["a b"], "sentencepiece")

@@ -8,7 +8,7 @@ import torch
 
 from envs.blackjack import ACTION_WORDS, BlackjackTextEnv
 from ray_forge.actors.policy import VLLMPolicy
-from ray_forge.grpo_config import GRPOConfig, PolicyConfig, TrainerConfig
+from ray_forge.config.schema import GRPOConfig, PolicyConfig, TrainerConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -39,7 +39,7 @@ def test_behaviour_logprobs_are_over_the_restricted_actions(policy, tiny_model_d
     """The trainer renormalises over the action tokens; the engine must report the same number."""
     from transformers import AutoModelForCausalLM
 
-    from ray_forge.grpo import token_logprobs_and_entropy
+    from ray_forge.core.algorithm import token_logprobs_and_entropy
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     out = policy.generate(_prompts(16))
@@ -60,8 +60,8 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, ray_
     import ray
 
     from ray_forge.actors.trainer import TrainerActor
-    from ray_forge.episode import Sample
-    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.actors.trainer_group import TrainerGroup
+    from ray_forge.core.episode import Sample
     from ray_forge.weights import StoreSpec, WeightStore
 
     rank = TrainerActor.options(num_cpus=0.5).remote(
@@ -120,8 +120,8 @@ def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_mo
     from envs.blackjack import render_state
     from envs.blackjack.exact import all_states
     from ray_forge.actors.trainer import TrainerActor
-    from ray_forge.episode import Sample
-    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.actors.trainer_group import TrainerGroup
+    from ray_forge.core.episode import Sample
     from ray_forge.weights import StoreSpec, WeightStore
 
     rank = TrainerActor.options(num_cpus=0.5).remote(

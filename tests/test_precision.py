@@ -9,8 +9,8 @@ import torch
 
 from envs.blackjack import ACTION_WORDS, render_state
 from envs.blackjack.exact import all_states
-from ray_forge import sync_check
-from ray_forge.grpo_config import GRPOConfig, PolicyConfig, TrainerConfig
+from ray_forge.config.schema import GRPOConfig, PolicyConfig, TrainerConfig
+from ray_forge.run import sync_check
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
@@ -29,7 +29,7 @@ def _compare(ray_cluster, model_dir: str, dtype: str, name: str) -> dict:
 
     from ray_forge.actors.policy import PolicyActor
     from ray_forge.actors.trainer import TrainerActor
-    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.actors.trainer_group import TrainerGroup
     from ray_forge.weights import StoreSpec, WeightStore
 
     policy = PolicyActor.options(num_cpus=0.5).remote(
@@ -69,7 +69,7 @@ def test_fp32_engine_and_fp32_trainer_agree_to_1e_4(ray_cluster, tiny_model_dir)
 
 
 def test_bf16_is_refused_without_the_instructions(monkeypatch):
-    from ray_forge.titan_cpu import require_dtype
+    from ray_forge.models.devices import require_dtype
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"cpu_name": "old"})
     with pytest.raises(ValueError, match="trainer.dtype=bfloat16 needs a GPU or a CPU with bfloat16"):

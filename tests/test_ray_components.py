@@ -7,12 +7,12 @@ import pytest
 import ray
 
 from ray_forge.actors.env_pool import EnvPoolActor
-from ray_forge.cluster import PlacementError, Pools
-from ray_forge.grpo_config import ClusterConfig, Resources
+from ray_forge.actors.rollout import RemoteEnvs, RolloutSettings, play_groups
+from ray_forge.cluster.pools import PlacementError, Pools
+from ray_forge.config.schema import ClusterConfig, Resources
+from ray_forge.core.env import StepResult
+from ray_forge.core.episode import Turn
 from ray_forge.remote import RemoteCallError, call
-from ray_forge.env import StepResult
-from ray_forge.episode import Turn
-from ray_forge.rollout import RemoteEnvs, RolloutSettings, play_groups
 
 pytestmark = pytest.mark.ray
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_forge import checkpoint
+from ray_forge.core import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from envs.code.env import CodeEnv
-from envs.code.reward import NoResult, SCORE_RANGE, harness_program, same, score_code
+from envs.code.reward import SCORE_RANGE, NoResult, harness_program, same, score_code
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import Call, Task, load_tasks
 
@@ -160,8 +160,9 @@ def test_plain_data_equality_cannot_be_fooled():
 
 
 def test_the_same_scoring_runs_through_togethers_code_interpreter(monkeypatch):
-    from envs.code.together_interpreter import TogetherCodeInterpreter
     from together_server import TogetherServer
+
+    from envs.code.together_interpreter import TogetherCodeInterpreter
 
     key = "tgp_v1_reward-test-key"
     tasks = {t.id: t for t in load_tasks()}

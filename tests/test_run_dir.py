@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from ray_forge.config import ConfigError, load_config, to_dict
-from ray_forge.grpo_config import JobConfig
-from ray_forge.run_dir import FINISHED_FILE, latest_unfinished, open_run
+from ray_forge.config.schema import JobConfig
+from ray_forge.run.directory import FINISHED_FILE, latest_unfinished, open_run
 
 
 def make_run(root, name, finished=False, **overrides):

@@ -8,7 +8,7 @@ from envs.blackjack import ACTION_WORDS, render_state
 from envs.blackjack.exact import all_states
 from ray_forge.actors.policy import VLLMPolicy, cpu_binding
 from ray_forge.config import ConfigError, load_config
-from ray_forge.grpo_config import JobConfig, PolicyConfig
+from ray_forge.config.schema import JobConfig, PolicyConfig
 
 
 def test_cpu_binding_splits_the_cores_between_workers():
@@ -57,12 +57,12 @@ def test_a_two_worker_engine_matches_the_trainer_after_a_sync(ray_cluster, tiny_
     and its logprobs equal the trainer's."""
     import asyncio
 
-    from ray_forge import sync_check
     from ray_forge.actors.policy import PolicyActor
     from ray_forge.actors.trainer import TrainerActor
-    from ray_forge.episode import Sample
-    from ray_forge.grpo_config import GRPOConfig, TrainerConfig
-    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.actors.trainer_group import TrainerGroup
+    from ray_forge.config.schema import GRPOConfig, TrainerConfig
+    from ray_forge.core.episode import Sample
+    from ray_forge.run import sync_check
     from ray_forge.weights import StoreSpec, WeightStore
 
     policy = PolicyActor.options(num_cpus=1).remote(

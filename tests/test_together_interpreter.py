@@ -6,11 +6,11 @@ import logging
 import time
 
 import pytest
+from together_server import TogetherServer
 
 from envs.code.env import CodeEnv
 from envs.code.tasks import load_tasks
 from envs.code.together_interpreter import TogetherCodeInterpreter
-from together_server import TogetherServer
 
 KEY = "tgp_v1_test-key-never-logged"
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from ray_forge.actors.trainer import TrainerActor
-from ray_forge.episode import Sample
-from ray_forge.grpo_config import GRPOConfig, TrainerConfig
-from ray_forge.trainer_group import TrainerGroup
+from ray_forge.actors.trainer_group import TrainerGroup
+from ray_forge.config.schema import GRPOConfig, TrainerConfig
+from ray_forge.core.episode import Sample
 
 pytestmark = pytest.mark.ray
 

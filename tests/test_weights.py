@@ -424,8 +424,8 @@ def tied_unaligned_model_dir(tmp_path_factory) -> str:
     """Tied embeddings (the adapter drops lm_head.weight) and 3 kv heads of 3 q heads: the fused
     wqkv has 288 rows, so rank 0's 144 end inside a k head, and the embedding's rows split unevenly."""
     from envs.blackjack import BlackjackTextEnv
-    from ray_forge.grpo_config import TinyModelConfig
-    from ray_forge.models import make_tiny_qwen3
+    from ray_forge.config.schema import TinyModelConfig
+    from ray_forge.models.tiny import make_tiny_qwen3
 
     folder = tmp_path_factory.mktemp("models") / "tied_unaligned"
     shape = TinyModelConfig(hidden_size=96, intermediate_size=160, num_layers=2, num_heads=3, num_kv_heads=3,
@@ -447,9 +447,9 @@ def test_two_fsdp_ranks_put_their_own_shards_and_vllm_loads_the_whole_model(ray_
     from envs.blackjack import ACTION_WORDS, BlackjackTextEnv
     from ray_forge.actors.policy import VLLMPolicy
     from ray_forge.actors.trainer import TrainerActor
-    from ray_forge.episode import Sample
-    from ray_forge.grpo_config import GRPOConfig, PolicyConfig, TrainerConfig
-    from ray_forge.trainer_group import TrainerGroup
+    from ray_forge.actors.trainer_group import TrainerGroup
+    from ray_forge.config.schema import GRPOConfig, PolicyConfig, TrainerConfig
+    from ray_forge.core.episode import Sample
 
     model_dir = tied_unaligned_model_dir
     engine = VLLMPolicy(model_dir=model_dir, config=PolicyConfig(kv_cache_mb=64), action_words=ACTION_WORDS)

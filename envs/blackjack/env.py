@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import gymnasium as gym
 
-from ray_forge.env import StepResult
+from ray_forge.core.env import StepResult
 
 ACTION_WORDS = ("HIT", "STICK")
 DEFAULT_PENALTY = -1.0

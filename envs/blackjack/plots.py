@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from envs.blackjack.exact import DEALER_CARDS, agreement, evaluate_table, optimal_table
 from envs.blackjack.env import DEFAULT_PENALTY, State
-from ray_forge.plots import figure, learning_curve_png, save
+from envs.blackjack.exact import DEALER_CARDS, agreement, evaluate_table, optimal_table
+from ray_forge.observe.plots import figure, learning_curve_png, save
 
 HARD_SUMS, SOFT_SUMS = range(4, 22), range(12, 22)  # a soft hand is 12 at least
 INVALID = 2.0

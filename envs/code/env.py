@@ -14,7 +14,7 @@ from typing import Protocol
 from envs.code.reward import NoResult, harness_program, score_code, score_math
 from envs.code.sandbox import ExecResult
 from envs.code.tasks import Task
-from ray_forge.env import StepResult
+from ray_forge.core.env import StepResult
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)  # [ \t]*, not \s*: no quadratic backtracking
 ERROR_REWARD_RANGE = (-1.0, 0.0)

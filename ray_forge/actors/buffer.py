@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from ray_forge.batch import groups_to_samples
-from ray_forge.episode import Episode
-from ray_forge.grpo import group_advantages
+from ray_forge.core.algorithm import group_advantages
+from ray_forge.core.batch import groups_to_samples
+from ray_forge.core.episode import Episode
 
 COUNTERS = ("generated", "trained", "evicted_stale", "dropped_no_signal", "dropped_full")
 """Cumulative game counts, in the order of the identity above."""

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from envs.registry import env_factory
-from ray_forge.env import StepResult, TextEnv
-from ray_forge.episode import Episode
+from ray_forge.actors.rollout import LocalEnvs, RolloutSettings, play_groups
+from ray_forge.core.env import StepResult, TextEnv
+from ray_forge.core.episode import Episode
 from ray_forge.remote import ActorRestarted, call
-from ray_forge.rollout import LocalEnvs, RolloutSettings, play_groups
 
 log = logging.getLogger(__name__)
 

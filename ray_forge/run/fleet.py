@@ -14,9 +14,9 @@ import asyncio
 import logging
 import time
 
-from ray_forge.episode import Episode
+from ray_forge.actors.rollout import RolloutSettings
+from ray_forge.core.episode import Episode
 from ray_forge.remote import RemoteCallError, call
-from ray_forge.rollout import RolloutSettings
 
 log = logging.getLogger(__name__)
 

@@ -14,21 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
-from ray_forge.episode import Turn
+from ray_forge.core.episode import Scored, Turn
 from ray_forge.remote import call
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Scored:
-    """The trainer's view of one (prompt, response): each response token's logprob, and the
-    argmax token at the first response position."""
-
-    logprobs: tuple[float, ...]
-    argmax: int
 
 
 def compare(greedy: list[Turn], greedy_scored: list[Scored], sampled: list[Turn],

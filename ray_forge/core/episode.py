@@ -96,3 +96,12 @@ def merge_identical(samples: list[Sample]) -> list[Sample]:
         else:
             merged[key] = Sample(**{**sample.__dict__})
     return list(merged.values())
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The trainer's view of one (prompt, response): each response token's logprob, and the
+    argmax token at the first response position."""
+
+    logprobs: tuple[float, ...]
+    argmax: int

@@ -15,7 +15,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_forge.grpo_config import ClusterConfig, Resources
+from ray_forge.config.schema import ClusterConfig, Resources
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ray_forge import titan_cpu
+from ray_forge.models import devices
 
 _LINEAR_INIT = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
 _NORM_INIT = {"weight": nn.init.ones_}
@@ -46,7 +46,7 @@ def qwen3_config(hf_dir: str | Path, device_type: str = "cpu"):
         attention=make_gqa_config(
             dim=dim, n_heads=num_heads, n_kv_heads=hf["num_key_value_heads"], head_dim=head_dim,
             wqkv_param_init=_LINEAR_INIT, wo_param_init=_LINEAR_INIT,
-            inner_attention=titan_cpu.inner_attention_config(device_type),
+            inner_attention=devices.inner_attention_config(device_type),
             fuse_qkv=True, rope=rope, qk_norm=norm(head_dim),
         ),
         feed_forward=make_ffn_config(dim=dim, hidden_dim=hf["intermediate_size"],
@@ -148,7 +148,7 @@ def shard_fsdp2(model: nn.Module, world_size: int, device_type: str, param_dtype
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.qwen3 import parallelize_qwen3
 
-    titan_cpu.prepare_distributed(device_type)
+    devices.prepare_distributed(device_type)
     parallelism = ParallelismConfig(data_parallel_shard_degree=world_size, spmd_backend="partial_dtensor")
     dims = ParallelDims.from_config(parallelism, world_size)
     model = parallelize_qwen3(
@@ -157,7 +157,7 @@ def shard_fsdp2(model: nn.Module, world_size: int, device_type: str, param_dtype
         parallelism=parallelism, compile_config=CompileConfig(enable=False), ac_config=None,
         dump_folder="/tmp/ray_forge_titan",
     )
-    titan_cpu.use_sum_reductions(model, device_type)
+    devices.use_sum_reductions(model, device_type)
     return model
 
 

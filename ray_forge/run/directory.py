@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from ray_forge import checkpoint
 from ray_forge.config import ConfigError, load_config, to_dict
-from ray_forge.grpo_config import JobConfig
+from ray_forge.config.schema import JobConfig
+from ray_forge.core import checkpoint
 
 CONFIG_FILE = "config.yaml"
 FINISHED_FILE = "eval.json"

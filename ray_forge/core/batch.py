@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ray_forge.episode import Episode, Sample, episodes_to_samples, merge_identical
-from ray_forge.grpo import group_advantages
+from ray_forge.core.algorithm import group_advantages
+from ray_forge.core.episode import Episode, Sample, episodes_to_samples, merge_identical
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Check KubeRay manifests offline: the CRDs' schemas, the operator's own rules, and the job's fit.
 
-    python -m ray_forge.manifests cluster/rayjob-blackjack.yaml cluster/raycluster.yaml --crd-dir DIR
+    python -m ray_forge.cluster.manifests cluster/rayjob-blackjack.yaml cluster/raycluster.yaml --crd-dir DIR
     kubectl get crd rayjobs.ray.io rayclusters.ray.io -o yaml > crds.yaml
-    python -m ray_forge.manifests cluster/*.yaml --crd crds.yaml
+    python -m ray_forge.cluster.manifests cluster/*.yaml --crd crds.yaml
 
 Three layers, each giving messages that say where and why:
 1. the OpenAPI schema of the kind, from the CRD (unknown fields are errors, as with
@@ -269,7 +269,7 @@ def sandbox_pod_errors(name: str, pod: dict) -> list[str]:
 def job_config_from_entrypoint(entrypoint: str, root: Path):
     """The JobConfig a ``python jobs/<job>.py --config X key=value ...`` entrypoint would load."""
     from ray_forge.config import load_config
-    from ray_forge.grpo_config import JobConfig
+    from ray_forge.config.schema import JobConfig
 
     argv = shlex.split(entrypoint)
     if "--config" not in argv:

@@ -258,13 +258,13 @@ class GRPOConfig:
     entropy_coef: float = 0.01
     """Weight of the entropy bonus (keeps groups disagreeing, hence learning)."""
     tis_cap: float = 0.0
-    """Truncated importance sampling (see ``ray_forge.grpo.grpo_loss``): weight each token by
+    """Truncated importance sampling (see ``ray_forge.core.algorithm.grpo_loss``): weight each token by
     min(pi_trainer / pi_engine, tis_cap). 0: off. Use it (e.g. 2.0) when the engine samples in
     bf16 and the trainer computes otherwise: the step metric ``logprob_diff`` shows the gap.
     With one optimizer step per batch the PPO clip then never acts (its ratio is the trainer's
     against itself): the cap is what bounds a token's weight."""
     token_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How token losses make the batch loss (see ``ray_forge.grpo.loss_normalizer``)."""
+    """How token losses make the batch loss (see ``ray_forge.core.algorithm.loss_normalizer``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,7 +311,7 @@ class RunConfig:
     """Checkpoints kept in the run directory; older ones are deleted once a newer one is complete."""
     sync_check_every: int = 10
     """After every N-th weight sync, compare policy-0 with the trainer on the env's probe prompts
-    (greedy agreement, largest logprob difference; see ``ray_forge/sync_check.py``). 0: never."""
+    (greedy agreement, largest logprob difference; see ``ray_forge/run/sync_check.py``). 0: never."""
     sync_check_tolerance: float = 1e-4
     """Largest logprob difference that is not an error: 1e-4 suits float32 on both sides; bf16
     engines differ from a float32 trainer by about 1e-2."""

@@ -6,8 +6,8 @@ import asyncio
 
 import ray
 
-from ray_forge.episode import Sample
-from ray_forge.grpo import TOKEN_STATS as _TOKEN_WEIGHTED
+from ray_forge.core.algorithm import TOKEN_STATS as _TOKEN_WEIGHTED
+from ray_forge.core.episode import Sample
 from ray_forge.remote import call, get
 from ray_forge.weights import StoreSpec
 

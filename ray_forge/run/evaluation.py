@@ -10,8 +10,8 @@ import dataclasses
 from collections import Counter
 from typing import Protocol
 
+from ray_forge.actors.rollout import RolloutSettings
 from ray_forge.remote import call
-from ray_forge.rollout import RolloutSettings
 
 EVAL_KEY = -1
 """Env-pool batch key of evaluations. The rollout loop's keys count up from 0, so an evaluation

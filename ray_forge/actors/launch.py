@@ -13,11 +13,11 @@ from ray_forge.actors.env_pool import EnvPoolActor
 from ray_forge.actors.policy import PolicyActor
 from ray_forge.actors.reference import ReferenceActor
 from ray_forge.actors.trainer import TrainerActor
+from ray_forge.actors.trainer_group import TrainerGroup
+from ray_forge.cluster.pools import POOL_LABEL, Pools
 from ray_forge.config import ConfigError
-from ray_forge.cluster import POOL_LABEL, Pools
-from ray_forge.grpo_config import JobConfig
+from ray_forge.config.schema import JobConfig
 from ray_forge.remote import get
-from ray_forge.trainer_group import TrainerGroup
 from ray_forge.weights import StoreSpec, WeightStore, resolve_transport
 
 log = logging.getLogger(__name__)

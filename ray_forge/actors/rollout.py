@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from ray_forge.env import StepResult
-from ray_forge.episode import Episode, Turn
+from ray_forge.core.env import StepResult
+from ray_forge.core.episode import Episode, Turn
 from ray_forge.remote import RemoteCallError, call
 
 

@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from ray_forge.grpo_config import TinyModelConfig
+from ray_forge.config.schema import TinyModelConfig
 
 log = logging.getLogger(__name__)
 

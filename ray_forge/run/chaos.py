@@ -13,7 +13,7 @@ import random
 
 import ray
 
-from ray_forge.grpo_config import ChaosConfig
+from ray_forge.config.schema import ChaosConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-
 EXPORTED = {
     "train_reward": "Mean reward of the games in the step's training batch",
     "eval_return": "Return of the greedy policy at the last evaluation",
