@@ -59,8 +59,7 @@ class Actors:
             self.store.destroy()
         except Exception as err:  # the controller may be gone; shm folders are still removed below
             log.warning("weight store cleanup: %s", err)
-            if hasattr(self.store.transport, "destroy"):
-                self.store.transport.destroy()
+            self.store.transport.destroy()
 
 
 def _threads(num_cpus: float) -> int:

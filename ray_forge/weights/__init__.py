@@ -5,8 +5,16 @@ Transports: ``shm`` (same node, the local default), ``object_store`` (across nod
 ``collective`` (a push over torch.distributed: gloo on CPU, NCCL on GPU) and ``torchstore``.
 """
 
-from ray_forge.weights.base import Manifest, Part, StoreSpec, TransportUnavailable, WeightSyncError, resolve_transport
-from ray_forge.weights.store import WeightStore, version_key
+from ray_forge.weights.base import (
+                                    Manifest,
+                                    Part,
+                                    StoreSpec,
+                                    TransportUnavailable,
+                                    WeightSyncError,
+                                    resolve_transport,
+                                    version_key,
+)
+from ray_forge.weights.store import WeightStore
 
-__all__ = ["Manifest", "Part", "StoreSpec", "TransportUnavailable", "WeightStore", "WeightSyncError", "resolve_transport",
-           "version_key"]
+__all__ = ["Manifest", "Part", "StoreSpec", "TransportUnavailable", "WeightStore", "WeightSyncError",
+           "resolve_transport", "version_key"]

@@ -134,6 +134,11 @@ class Manifest:
                     yield part, buckets[group]
 
 
+def version_key(version: int) -> str:
+    """How every transport names a version (a folder, a key prefix, a rendezvous key)."""
+    return f"policy_ver_{version:010d}"
+
+
 class Transport(Protocol):
     """Moves bucket bytes. ``write`` runs in the sender, ``read`` in each receiver (one bucket at
     a time, so a receiver never holds more than about one bucket beyond its model), ``free`` when
@@ -144,6 +149,10 @@ class Transport(Protocol):
     def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]: ...
 
     def free(self, part: Part) -> None: ...
+
+    def destroy(self) -> None:
+        """Release what this process holds (shared-memory folders it wrote, push groups)."""
+        return None
 
 
 def resolve_transport(choice: str, trainer_nodes: list[str], policy_nodes: list[str]) -> str:

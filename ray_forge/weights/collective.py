@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from ray_forge.weights.base import Manifest, Part, StoreSpec, WeightSyncError
+from ray_forge.weights.base import Manifest, Part, StoreSpec, Transport, WeightSyncError, version_key
 from ray_forge.weights.layout import Bucket, assemble, pack_into
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ class MissedPush(WeightSyncError):
     """This process is not a member of the push (it restarted after the groups were built)."""
 
 
-class CollectiveTransport:
+class CollectiveTransport(Transport):
     """One per process: its rendezvous client, its groups (by generation) and, in an engine
     worker, the staging buffers of the last version received."""
 
@@ -221,7 +221,7 @@ class CollectiveTransport:
         what = f"push of weights version {part.version} from {part.sender}"
         receivers = range(1, session.group_size)
         group = self._group(session, part.rank, 0, deadline)
-        self._wait_all(client, session, {session.key(f"v{part.version}", "ready", r): r for r in receivers},
+        self._wait_all(client, session, {session.key(version_key(part.version), "ready", r): r for r in receivers},
                        deadline, part.rank, f"{what}: receivers not ready")
         for bucket in part.buckets:
             try:
@@ -229,7 +229,7 @@ class CollectiveTransport:
                                 f"{what}, bucket {bucket.index}")
             except WeightSyncError as err:
                 raise _BroadcastFailed(str(err)) from None
-        statuses = {session.key(f"v{part.version}", "status", r): r for r in receivers}
+        statuses = {session.key(version_key(part.version), "status", r): r for r in receivers}
         self._wait_all(client, session, statuses, deadline, part.rank, f"{what}: no acknowledgement")
         answers = {r: client.get(k).decode() for k, r in statuses.items()}
         if failed := {r: a for r, a in answers.items() if a != "ok"}:
@@ -246,7 +246,7 @@ class CollectiveTransport:
             old = self._pushed.pop(0)
             for r in range(1, old.group_size):
                 for kind in ("ready", "status"):
-                    client.delete_key(old.key(f"v{old.version}", kind, r))
+                    client.delete_key(old.key(version_key(old.version), kind, r))
 
     def _pack(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """This bucket's bytes in one reused send buffer (the sender holds one bucket beyond its shard)."""
@@ -282,7 +282,7 @@ class CollectiveTransport:
             self._fail(store, session, f"{name}: {err}")
             raise
         self._stage(manifest)
-        client.set(session.key(f"v{version}", "ready", me), "1")
+        client.set(session.key(version_key(version), "ready", me), "1")
         # The senders know who is missing: let them time out first and name the culprit in their abort.
         data_deadline = deadline + _RECEIVER_GRACE_S
         try:
@@ -292,10 +292,10 @@ class CollectiveTransport:
                 self._broadcast(groups[part.rank], self.staging[(part.rank, bucket.index)], session, client,
                                 data_deadline, what)
         except WeightSyncError as err:
-            client.set(session.key(f"v{version}", "status", me), f"failed: {err}")
+            client.set(session.key(version_key(version), "status", me), f"failed: {err}")
             self._fail(store, session, str(err))
             raise
-        client.set(session.key(f"v{version}", "status", me), "ok")
+        client.set(session.key(version_key(version), "status", me), "ok")
         return StagedVersion(manifest, self.staging)
 
     def _stage(self, manifest: Manifest) -> None:
@@ -389,7 +389,7 @@ class CollectiveTransport:
     def _silent(self, client: dist.TCPStore, session: Session, version: int, sender_rank: int,
                 grace_s: float) -> list[str]:
         """Receivers that reported neither success nor failure within ``grace_s`` (dead or stuck)."""
-        keys = {session.key(f"v{version}", "status", r): r for r in range(1, session.group_size)}
+        keys = {session.key(version_key(version), "status", r): r for r in range(1, session.group_size)}
         end = time.monotonic() + max(0.0, grace_s)
         while not client.check(list(keys)) and time.monotonic() < end:
             time.sleep(_POLL_S)

@@ -23,7 +23,7 @@ import numpy as np
 import ray
 import torch
 
-from ray_forge.weights.base import Part, StoreSpec, WeightSyncError
+from ray_forge.weights.base import Part, StoreSpec, Transport, WeightSyncError
 from ray_forge.weights.layout import Bucket, pack_into
 
 _LOST = (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError, ray.exceptions.ObjectFetchTimedOutError)
@@ -54,7 +54,7 @@ def as_bytes(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-class ObjectStoreTransport:
+class ObjectStoreTransport(Transport):
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
 

@@ -17,7 +17,7 @@ from typing import Iterator, Mapping
 import ray
 import torch
 
-from ray_forge.weights.base import Part, StoreSpec, WeightSyncError
+from ray_forge.weights.base import Part, StoreSpec, Transport, WeightSyncError, version_key
 from ray_forge.weights.layout import Bucket, pack_into
 
 
@@ -43,14 +43,14 @@ def map_file(path: Path, nbytes: int, writable: bool) -> torch.Tensor:
     return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-class SharedMemoryTransport:
+class SharedMemoryTransport(Transport):
     def __init__(self, spec: StoreSpec, root: Path | None = None) -> None:
         self.spec = spec
         self.root = (root or default_root()) / spec.name
 
     def version_dir(self, version: int, rank: int = 0) -> Path:
         """One folder per rank's part (ranks may share a node)."""
-        return self.root / (f"policy_ver_{version:010d}" + (f"-rank{rank}" if rank else ""))
+        return self.root / (version_key(version) + (f"-rank{rank}" if rank else ""))
 
     def write(self, version: int, rank: int, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> dict:
         final = self.version_dir(version, rank)

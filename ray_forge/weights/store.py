@@ -14,13 +14,9 @@ from typing import Iterator, Mapping
 import ray
 import torch
 
-from ray_forge.weights.base import Manifest, Part, StoreSpec, Transport, WeightSyncError
+from ray_forge.weights.base import Manifest, Part, StoreSpec, Transport, WeightSyncError, version_key
 from ray_forge.weights.controller import ControllerActor
 from ray_forge.weights.layout import Bucket, Piece, assemble, plan_pieces, whole_pieces
-
-
-def version_key(version: int) -> str:
-    return f"policy_ver_{version:010d}"
 
 
 def make_transport(spec: StoreSpec) -> Transport:
@@ -183,8 +179,7 @@ class WeightStore:
     def close(self) -> None:
         """Release what this client holds in its own process (shared-memory folders it wrote on
         this node, push groups); the versions' records stay with the controller."""
-        if hasattr(self.transport, "destroy"):
-            self.transport.destroy()
+        self.transport.destroy()
 
     def destroy(self) -> None:
         """Free every version and stop the controller (the run is over)."""

@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from ray_forge.weights.base import Part, StoreSpec, TransportUnavailable
+from ray_forge.weights.base import Part, StoreSpec, Transport, TransportUnavailable, version_key
 from ray_forge.weights.layout import Bucket, pack_into
 
 
@@ -29,13 +29,13 @@ def import_torchstore():
     return torchstore
 
 
-class TorchStoreTransport:
+class TorchStoreTransport(Transport):
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
         self.ts = import_torchstore()
 
     def _key(self, version: int, rank: int, index: int) -> str:
-        return f"{self.spec.name}/policy_ver_{version:010d}/rank_{rank:03d}/bucket_{index:05d}"
+        return f"{self.spec.name}/{version_key(version)}/rank_{rank:03d}/bucket_{index:05d}"
 
     def write(self, version: int, rank: int, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> list[str]:
         keys = []
