@@ -25,11 +25,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from ray_forge.config import load_config  # noqa: E402
-from ray_forge.config.schema import JobConfig  # noqa: E402
-from ray_forge.core import checkpoint  # noqa: E402
+from ray_forge.config import load_config
+from ray_forge.config.schema import JobConfig
+from ray_forge.core import checkpoint
 
 CONFIG = ROOT / "jobs/configs/blackjack_tiny.yaml"
 
@@ -42,7 +41,7 @@ def main() -> None:
     every = load_config(JobConfig, CONFIG, args.overrides).run.checkpoint_every
     with tempfile.TemporaryDirectory() as out:
         job = [sys.executable, str(ROOT / "jobs/grpo.py"), "--config", str(CONFIG), f"run.steps={args.steps}",
-               "run.eval_every=0", "run.eval_mc_games=1000", "run.progress=false", f"run.output_dir={out}",
+               "run.eval_every=0", "env.options.blackjack.mc_games=1000", "run.progress=false", f"run.output_dir={out}",
                *args.overrides]
         print("running:", " ".join(job[1:]), flush=True)
         subprocess.run(job, check=True, stdout=subprocess.DEVNULL)

@@ -17,18 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gymnasium as gym
+import ray
 
-import gymnasium as gym  # noqa: E402
-import ray  # noqa: E402
-
-from ray_forge.actors.env_pool import EnvPoolActor  # noqa: E402
-from ray_forge.actors.rollout import RolloutSettings  # noqa: E402
-from ray_forge.core.episode import Turn  # noqa: E402
+from envs import registry
+from ray_forge.actors.env_pool import EnvPoolActor
+from ray_forge.actors.rollout import RolloutSettings
+from ray_forge.config.schema import EnvConfig
+from ray_forge.core.episode import Turn
 
 GROUP = 8
 
@@ -68,7 +66,7 @@ def main() -> None:
                                env_timeout_s=120)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
+        env = EnvPoolActor.options(num_cpus=0).remote(EnvConfig(), registry.get("blackjack").setup({}))
         policy = ray.remote(RulePolicy).options(num_cpus=0).remote()
 
         def in_worker() -> int:
@@ -103,7 +101,8 @@ def main() -> None:
     rate = {name: len(seeds) / statistics.median(t) for name, t in times.items()}
     ratio = rate["env_actor"] / rate["raw"]
     print(json.dumps({"games": len(seeds), **{f"{k}_games_per_s": round(v) for k, v in rate.items()},
-                      "env_actor_vs_raw": round(ratio, 3), "in_worker_vs_raw": round(rate["in_worker"] / rate["raw"], 3),
+                      "env_actor_vs_raw": round(ratio, 3),
+                          "in_worker_vs_raw": round(rate["in_worker"] / rate["raw"], 3),
                       "target_env_actor_vs_raw": 0.5, "met": ratio >= 0.5}))
 
 

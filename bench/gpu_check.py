@@ -35,7 +35,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 log = logging.getLogger("gpu_check")
 

@@ -30,7 +30,7 @@ def run_job(out_dir: str, name: str, steps: int, overrides: list[str]) -> list[d
     """The demo job for ``steps`` steps; its metrics rows."""
     command = [sys.executable, str(ROOT / "jobs" / "grpo.py"), "--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"),
                f"run.name={name}", f"run.output_dir={out_dir}", f"run.steps={steps}", "run.eval_every=0",
-               "run.sync_check_every=0", "run.checkpoint_every=0", "run.eval_mc_games=0", "run.progress=false",
+               "run.sync_check_every=0", "run.checkpoint_every=0", "env.options.blackjack.mc_games=0", "run.progress=false",
                "cluster.include_dashboard=false", *overrides]
     result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:

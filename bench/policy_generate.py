@@ -14,16 +14,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from envs.blackjack import ACTION_WORDS, BlackjackTextEnv  # noqa: E402
-from ray_forge.config.schema import PolicyConfig, TinyModelConfig  # noqa: E402
-from ray_forge.models.tiny import make_tiny_qwen3  # noqa: E402
+from envs.blackjack import ACTION_WORDS, BlackjackTextEnv
+from ray_forge.config.schema import PolicyConfig, TinyModelConfig
+from ray_forge.models.tiny import make_tiny_qwen3
 
 
 def main() -> None:
@@ -37,7 +34,7 @@ def main() -> None:
     from ray_forge.actors.policy import VLLMPolicy
 
     model_dir = make_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny", BlackjackTextEnv.corpus(), TinyModelConfig())
-    policy = VLLMPolicy(model_dir=str(model_dir), config=PolicyConfig(), action_words=ACTION_WORDS)
+    policy = VLLMPolicy(PolicyConfig(), model_dir=str(model_dir), action_words=ACTION_WORDS)
     prompts = [BlackjackTextEnv().reset(seed) for seed in range(args.prompts)]
     token_prompts = [{"prompt_token_ids": policy.tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
     one_each = SamplingParams(n=1, max_tokens=1, logprobs=0, allowed_token_ids=policy.allowed_ids)

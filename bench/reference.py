@@ -28,17 +28,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from envs.blackjack import ACTION_WORDS, BlackjackTextEnv, evaluate  # noqa: E402
-from ray_forge.actors.policy import action_token_ids  # noqa: E402
-from ray_forge.actors.trainer import lr_factor  # noqa: E402
-from ray_forge.config import load_config  # noqa: E402
-from ray_forge.config.schema import JobConfig  # noqa: E402
-from ray_forge.core.algorithm import grpo_loss, loss_normalizer, token_logprobs_and_entropy  # noqa: E402
-from ray_forge.core.batch import collate, groups_to_samples  # noqa: E402
-from ray_forge.core.episode import Episode, Turn  # noqa: E402
-from ray_forge.models.tiny import make_tiny_qwen3  # noqa: E402
+from envs.blackjack import ACTION_WORDS, BlackjackTextEnv, evaluate
+from ray_forge.actors.policy import action_token_ids
+from ray_forge.actors.trainer import lr_factor
+from ray_forge.config import load_config
+from ray_forge.config.schema import JobConfig
+from ray_forge.core.algorithm import grpo_loss, loss_normalizer, token_logprobs_and_entropy
+from ray_forge.core.batch import collate, groups_to_samples
+from ray_forge.core.episode import Episode, Turn
+from ray_forge.models.tiny import make_tiny_qwen3
 
 CONFIG = ROOT / "jobs/configs/blackjack_tiny.yaml"
 

@@ -32,7 +32,7 @@ CONFIG = ROOT / "jobs/configs/blackjack_tiny.yaml"
 
 def job(out: Path, steps: int, overrides: list[str], *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "jobs/grpo.py"), "--config", str(CONFIG), f"run.steps={steps}",
-            "run.eval_every=10", "run.checkpoint_every=10", "run.eval_mc_games=1000", "run.progress=false",
+            "run.eval_every=10", "run.checkpoint_every=10", "env.options.blackjack.mc_games=1000", "run.progress=false",
             f"run.output_dir={out}", *overrides, *extra]
 
 

@@ -20,27 +20,24 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import psutil
+import ray
 
-import psutil  # noqa: E402
-import ray  # noqa: E402
-
-from envs.blackjack import ACTION_WORDS, BlackjackTextEnv  # noqa: E402
-from jobs.env_hooks import rollout_settings  # noqa: E402
-from ray_forge.actors.buffer import BufferActor  # noqa: E402
-from ray_forge.actors.env_pool import EnvPoolActor  # noqa: E402
-from ray_forge.actors.policy import PolicyActor  # noqa: E402
-from ray_forge.actors.rollout import batch_groups  # noqa: E402
-from ray_forge.config import load_config  # noqa: E402
-from ray_forge.config.schema import JobConfig  # noqa: E402
-from ray_forge.models.tiny import make_tiny_qwen3  # noqa: E402
-from ray_forge.run.fleet import Fleet  # noqa: E402
+from envs import registry
+from envs.blackjack import ACTION_WORDS, BlackjackTextEnv
+from ray_forge.actors.buffer import BufferActor
+from ray_forge.actors.env_pool import EnvPoolActor
+from ray_forge.actors.policy import PolicyActor
+from ray_forge.actors.rollout import RolloutSettings, batch_groups
+from ray_forge.config import load_config
+from ray_forge.config.schema import BufferConfig, JobConfig
+from ray_forge.models.tiny import make_tiny_qwen3
+from ray_forge.run.fleet import Fleet
 
 DEMO = Path(__file__).resolve().parent.parent / "jobs" / "configs" / "blackjack_tiny.yaml"
 
@@ -48,7 +45,7 @@ DEMO = Path(__file__).resolve().parent.parent / "jobs" / "configs" / "blackjack_
 async def play(config: JobConfig, fleet: Fleet, buffer, batches: range, chunks: int) -> float:
     """Seconds to play ``batches``, all in flight at once (the job's rollout loop starts a batch
     while the one before is still in play)."""
-    settings = rollout_settings(config)
+    settings = RolloutSettings.of(config)
     per_batch = config.grpo.games_per_step // config.grpo.group_size
     start = time.perf_counter()
     await asyncio.gather(*(
@@ -81,7 +78,7 @@ def raw(model_dir: str, config: JobConfig, calls: list[list[tuple[int, ...]]]) -
 
     from ray_forge.actors.policy import VLLMPolicy
 
-    policy = VLLMPolicy(model_dir=model_dir, config=config.policy, action_words=ACTION_WORDS, seed=config.run.seed)
+    policy = VLLMPolicy(config.policy, model_dir=model_dir, action_words=ACTION_WORDS, seed=config.run.seed)
     try:
         def params(count: int, draws: bool) -> SamplingParams:
             return SamplingParams(n=1 if draws else count, temperature=config.policy.temperature,
@@ -116,9 +113,9 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         policy = PolicyActor.options(name="policy-0", num_cpus=0).remote(
-            model_dir=model_dir, config=config.policy, action_words=ACTION_WORDS, seed=config.run.seed)
-        env = EnvPoolActor.options(name="env-0", num_cpus=0).remote("blackjack", config.env.invalid_action_penalty)
-        buffer = BufferActor.options(num_cpus=0).remote(max_policy_lag=1_000_000, capacity_games=1 << 30)
+            config.policy, model_dir=model_dir, action_words=ACTION_WORDS, seed=config.run.seed)
+        env = EnvPoolActor.options(name="env-0", num_cpus=0).remote(config.env, registry.get("blackjack").setup({}))
+        buffer = BufferActor.options(num_cpus=0).remote(BufferConfig(max_policy_lag=1_000_000, capacity_games=1 << 30))
         fleet = Fleet([policy], [env], policy_timeout_s=300, env_timeout_s=120)
         asyncio.run(fleet.start())
         asyncio.run(play(config, fleet, buffer, range(1), args.chunks))  # warm-up
@@ -143,7 +140,8 @@ def main() -> None:
                       "rollout_decisions_per_s": round(decisions / seconds),
                       "raw_decisions_per_s": round(decisions / raw_s["same_requests"]),
                       "raw_n_samples_decisions_per_s": round(decisions / raw_s["n_samples"]),
-                      "rollout_vs_raw": round(ratio, 3), "rollout_vs_raw_n_samples": round(raw_s["n_samples"] / seconds, 3),
+                      "rollout_vs_raw": round(ratio, 3),
+                          "rollout_vs_raw_n_samples": round(raw_s["n_samples"] / seconds, 3),
                       "rollout_s": round(seconds, 3), "raw_s": round(raw_s["same_requests"], 3),
                       "actor_cpu_s": cpu_s, "target": 0.8, "met": ratio >= 0.8}))
 

@@ -15,11 +15,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from envs.code.sandbox import LocalSandbox  # noqa: E402
+from envs.code.sandbox import LocalSandbox
 
 CODE = "print(sum(range(100)))"
 

@@ -35,7 +35,6 @@ import hashlib
 import json
 import socket
 import statistics
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -43,10 +42,8 @@ from pathlib import Path
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ray_forge.cluster.local import LocalCluster, NodeSpec  # noqa: E402
-from ray_forge.weights import StoreSpec, WeightStore  # noqa: E402
+from ray_forge.cluster.local import LocalCluster, NodeSpec
+from ray_forge.weights import StoreSpec, WeightStore
 
 GB = 10**9
 HEAD, OTHER = "127.0.0.2", "127.0.0.3"
@@ -412,8 +409,8 @@ def sharded_main(args) -> dict:
     results, digests = {}, {}
     for mode in ("gathered", "sharded"):
         ranks = [Trainer.options(num_cpus=1).remote(
-            model_dir=str(model_dir), trainer=TrainerConfig(), grpo=GRPOConfig(), total_steps=1, rank=r, world_size=2,
-            allowed_token_ids=None, num_threads=1) for r in range(2)]
+            TrainerConfig(num_ranks=2), model_dir=str(model_dir), grpo=GRPOConfig(), total_steps=1, rank=r,
+                allowed_token_ids=None) for r in range(2)]
         group = TrainerGroup(ranks, timeout_s=600)
         group.setup()
         spec = StoreSpec(name=f"bench-{mode}-{uuid.uuid4().hex[:6]}", transport="shm", keep_versions=1,

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Callable, Coroutine, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine, Literal, Protocol
 
 from envs.blackjack import ACTION_WORDS, State, parse_action, render_state
 from envs.blackjack.env import outcome_text
-from ray_forge.core.env import StepResult
+from ray_forge.config import ConfigError
+from ray_forge.core.env import Decide, EnvSetup, EnvSpec, MakeEnv, StepResult, TextEnv
 
 
 class OpenEnvError(RuntimeError):
@@ -123,22 +125,19 @@ class _SessionLoop:
         return asyncio.run_coroutine_threadsafe(coro, cls._loop).result(timeout_s)
 
 
-class OpenEnvTextEnv:
+class OpenEnvTextEnv(TextEnv):
     """One OpenEnv session, reused across episodes (the server resets it in place)."""
 
-    def __init__(self, url: str, codec: str = "text", invalid_action_penalty: float = -1.0,
-                 connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0) -> None:
+    def __init__(self, options: OpenEnvOptions, invalid_action_penalty: float = -1.0) -> None:
         from openenv.core import GenericEnvClient
 
-        if not url:
-            raise ValueError("env.openenv.url is empty: give the OpenEnv server's URL, e.g. http://127.0.0.1:8000")
-        if codec not in CODECS:
-            raise ValueError(f"unknown OpenEnv codec {codec!r} (known: {', '.join(CODECS)})")
-        self.url, self.codec, self.penalty = url, CODECS[codec](), invalid_action_penalty
-        self._client = GenericEnvClient(base_url=url, connect_timeout_s=connect_timeout_s,
-                                        message_timeout_s=message_timeout_s)
+        if not options.url:
+            raise ValueError("env.options.openenv.url is empty: give the OpenEnv server's URL, e.g. http://127.0.0.1:8000")
+        self.url, self.codec, self.penalty = options.url, CODECS[options.codec](), invalid_action_penalty
+        self._client = GenericEnvClient(base_url=options.url, connect_timeout_s=options.connect_timeout_s,
+                                        message_timeout_s=options.message_timeout_s)
         # The client enforces both timeouts; this bound only catches a wedged event loop.
-        self._timeout_s = connect_timeout_s + message_timeout_s + 5.0
+        self._timeout_s = options.connect_timeout_s + options.message_timeout_s + 5.0
         self._observation: dict | None = None
         self._action_words = self.codec.action_words
 
@@ -192,9 +191,51 @@ class OpenEnvTextEnv:
             raise OpenEnvError(f"OpenEnv server {self.url}: {what} failed: {reason}") from err
 
 
-def openenv_factory(url: str = "", codec: str = "text", kind: str = "blackjack", concurrency: int = 8,
-                    connect_timeout_s: float = 10.0, message_timeout_s: float = 60.0,
-                    invalid_action_penalty: float = -1.0) -> Callable[[], OpenEnvTextEnv]:
-    """A maker of envs, each its own session on the server (``kind`` is the job's evaluation and
-    ``concurrency`` the pool's threads: ``env.openenv`` is passed whole)."""
-    return lambda: OpenEnvTextEnv(url, codec, invalid_action_penalty, connect_timeout_s, message_timeout_s)
+@dataclass(frozen=True, kw_only=True)
+class OpenEnvOptions:
+    """An OpenEnv environment server (``env.name: openenv``), one WebSocket session per game."""
+
+    url: str = ""
+    """The server's base URL, e.g. http://127.0.0.1:8000 (ws:// also accepted)."""
+    codec: Literal["text", "openspiel_blackjack"] = "text"
+    """How observations become prompts and completions become actions. text: a ray_forge env
+    served by ``envs/openenv_server.py``; openspiel_blackjack: OpenEnv's OpenSpiel BlackJack."""
+    kind: str = "blackjack"
+    """The registered env the server plays (``envs/registry.py``): its evaluation, probe prompts,
+    pictures and a tiny model's tokenizer texts are the job's (OpenSpiel's BlackJack is blackjack)."""
+    kind_options: dict[str, Any] = field(default_factory=dict)
+    """That env's own options, for its evaluation and texts (e.g. ``mc_games`` for blackjack)."""
+    concurrency: int = 8
+    """Games stepped at once per env actor (each game is its own session on the server)."""
+    connect_timeout_s: float = 10.0
+    """Longest wait for a game's WebSocket session to open."""
+    message_timeout_s: float = 60.0
+    """Longest wait for one reset or step answer."""
+
+    def __post_init__(self) -> None:
+        self.played()  # an unknown kind or a bad option of it fails when the config is read
+
+    def played(self) -> EnvSetup:
+        """The env the server plays, as set up here (checked like any config section)."""
+        from envs.registry import get
+
+        if self.kind == "openenv":
+            raise ConfigError("env.options.openenv.kind: an OpenEnv server plays an env, not another server")
+        return get(self.kind, "env.options.openenv.kind").setup(self.kind_options, "env.options.openenv.kind_options")
+
+
+def evaluate(options: OpenEnvOptions, decide: Decide, make_env: MakeEnv, *, invalid_action_penalty: float,
+             final: bool) -> tuple[dict[str, float], dict]:
+    """The played env's own evaluation, its games played on the server."""
+    return options.played().evaluate(decide, make_env, invalid_action_penalty=invalid_action_penalty, final=final)
+
+
+SPEC = EnvSpec(
+    name="openenv", options=OpenEnvOptions,
+    factory=lambda options, penalty: lambda: OpenEnvTextEnv(options, penalty),
+    corpus=lambda options: options.played().corpus(),
+    probe_prompts=lambda options: options.played().probe_prompts(),
+    evaluate=evaluate,
+    pictures=lambda options, run_dir, rows, final: options.played().pictures(run_dir, rows, final),
+    concurrency=lambda options: options.concurrency,
+    references=lambda options: options.played().references())

@@ -1,9 +1,10 @@
 """Serve a ray_forge env as an OpenEnv environment server (OpenEnv's own ``create_app``).
 
     python -m envs.openenv_server --port 8000                               # BlackJack
-    python -m envs.openenv_server --config jobs/configs/code_tiny.yaml --port 8001 env.code.wall_s=5
+    python -m envs.openenv_server --env code --port 8001 limits.wall_s=5
 
-The env and its options come from a job config's ``env`` section (and dotted overrides). Any
+The env is any registered one (``envs/registry.py``), its options dotted overrides of its own
+section (what a job config says under ``env.options``). Any
 OpenEnv client drives it over the WebSocket ``/ws``, one env per session, e.g.
 ``GenericEnvClient(base_url="http://127.0.0.1:8000").sync()``: ``reset(seed=3)``, then
 ``step({"text": "HIT"})``. ray_forge's own adapter (``env.name: openenv``, codec ``text``)
@@ -20,8 +21,9 @@ from typing import Any
 from openenv.core.env_server import Action, Environment, Observation, State, create_app
 from pydantic import Field
 
-from envs.registry import env_factory
-from ray_forge.core.env import TextEnv
+from envs.registry import SPECS, get
+from ray_forge.config import load_config
+from ray_forge.core.env import EnvSetup, TextEnv
 
 
 class TextAction(Action):
@@ -72,31 +74,30 @@ class TextEnvironment(Environment[TextAction, TextObservation, TextEnvState]):
         return self._state
 
 
-def create_server_app(name: str, options: dict | None = None, invalid_action_penalty: float = -1.0,
-                      max_sessions: int = 64):
+def create_server_app(env: EnvSetup, invalid_action_penalty: float = -1.0, max_sessions: int = 64):
     """The FastAPI app: ``/ws`` sessions, plus OpenEnv's ``/reset``, ``/step``, ``/health``, ``/schema``."""
-    if name == "openenv":
-        raise ValueError("env.name openenv is a client of another server; serve blackjack or code")
-    make = env_factory(name, invalid_action_penalty, options)
-    return create_app(lambda: TextEnvironment(make(), name), TextAction, TextObservation, env_name=name,
-                      max_concurrent_envs=max_sessions)
+    if env.spec.name == "openenv":
+        raise ValueError("env openenv is a client of another server; serve an env that plays itself")
+    make = env.make_env(invalid_action_penalty)
+    return create_app(lambda: TextEnvironment(make(), env.spec.name), TextAction, TextObservation,
+                      env_name=env.spec.name, max_concurrent_envs=max_sessions)
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from ray_forge.config import load_config
-    from ray_forge.config.schema import JobConfig
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="a job config whose env section to serve")
+    parser.add_argument("--env", default="blackjack", help=f"a registered env ({', '.join(SPECS)})")
+    parser.add_argument("--invalid-action-penalty", type=float, default=-1.0,
+                        help="reward of a game ended by an unreadable answer (a job's env.invalid_action_penalty)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-sessions", type=int, default=64, help="concurrent WebSocket sessions")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. env.name=code env.code.wall_s=5")
+    parser.add_argument("overrides", nargs="*", help="the env's options, dotted, e.g. limits.wall_s=5")
     args = parser.parse_args(argv)
-    env = load_config(JobConfig, args.config, args.overrides).env
-    app = create_server_app(env.name, env.options(), env.invalid_action_penalty, args.max_sessions)
+    spec = get(args.env, "--env")
+    env = EnvSetup(spec, load_config(spec.options, None, args.overrides))
+    app = create_server_app(env, args.invalid_action_penalty, args.max_sessions)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

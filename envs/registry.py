@@ -1,30 +1,38 @@
-"""The env registry: a name and its config section in, a maker of ``TextEnv``s out.
-
-Shared by the env pool actor and the OpenEnv server, so both build envs the same way.
-"""
+"""The env registry: every env's spec by name. A new env is a folder exporting ``SPEC`` and one
+line here (see the README's "Add your own env")."""
 
 from __future__ import annotations
 
-from typing import Callable
+from envs import blackjack, code, openenv_adapter
+from ray_forge.config import ConfigError
+from ray_forge.config.schema import EnvConfig
+from ray_forge.core.env import EnvSetup, EnvSpec
 
-from ray_forge.core.env import TextEnv
+SPECS: dict[str, EnvSpec] = {spec.name: spec for spec in (
+    blackjack.SPEC,
+    code.SPEC,
+    openenv_adapter.SPEC,
+)}
 
-NAMES = ("blackjack", "code", "openenv")
+
+def register(spec: EnvSpec) -> None:
+    """Add an env defined outside this folder (a test, a user's package) under ``spec.name``."""
+    if spec.name in SPECS and SPECS[spec.name] is not spec:
+        raise ValueError(f"an env named {spec.name!r} is registered already")
+    SPECS[spec.name] = spec
 
 
-def env_factory(name: str, invalid_action_penalty: float = -1.0, options: dict | None = None) -> Callable[[], TextEnv]:
-    """``options`` is the env's own config section (``env.code``, ``env.openenv``) as a dict."""
-    options = options or {}
-    if name == "blackjack":
-        from envs.blackjack import BlackjackTextEnv
+def get(name: str, key: str = "env.name") -> EnvSpec:
+    if not name:
+        raise ConfigError(f"{key} is not set: name the env to play ({', '.join(sorted(SPECS))})")
+    if name not in SPECS:
+        raise ConfigError(f"{key}: no env named {name!r} (registered: {', '.join(sorted(SPECS))})")
+    return SPECS[name]
 
-        return lambda: BlackjackTextEnv(invalid_action_penalty=invalid_action_penalty)
-    if name == "code":
-        from envs.code import code_env_factory
 
-        return code_env_factory(**options)
-    if name == "openenv":
-        from envs.openenv_adapter import openenv_factory
-
-        return openenv_factory(invalid_action_penalty=invalid_action_penalty, **options)
-    raise ValueError(f"unknown env {name!r} (known: {', '.join(NAMES)})")
+def setup(env: EnvConfig) -> EnvSetup:
+    """The run's env (``env.name``) with its options; every section of ``env.options`` must name
+    a registered env and be valid for it."""
+    for name, options in env.options.items():
+        get(name, f"env.options.{name}").setup(options, f"env.options.{name}")
+    return get(env.name).setup(env.options.get(env.name, {}), f"env.options.{env.name}")

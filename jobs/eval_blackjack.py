@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from envs.blackjack import ACTION_WORDS, DEFAULT_PENALTY, evaluate  # noqa: E402
-from ray_forge.actors.policy import VLLMPolicy  # noqa: E402
-from ray_forge.config import load_config  # noqa: E402
-from ray_forge.config.schema import JobConfig, PolicyConfig  # noqa: E402
-from ray_forge.models.tiny import check_model_dir  # noqa: E402
-from ray_forge.run.directory import CONFIG_FILE  # noqa: E402
+from envs.blackjack import ACTION_WORDS, DEFAULT_PENALTY, evaluate
+from ray_forge.actors.policy import VLLMPolicy
+from ray_forge.config import load_config
+from ray_forge.config.schema import JobConfig, PolicyConfig
+from ray_forge.models.tiny import check_model_dir
+from ray_forge.run.directory import CONFIG_FILE
 
 log = logging.getLogger("eval_blackjack")
 
@@ -65,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Constrained answers are whole action words; max_tokens=1 is the training default for one-token words.
     config = (PolicyConfig(constrain_to_actions=False, max_tokens=args.max_tokens) if args.unconstrained
               else PolicyConfig())
-    policy = VLLMPolicy(model_dir=str(model_dir), config=config, action_words=ACTION_WORDS)
+    policy = VLLMPolicy(config, model_dir=str(model_dir), action_words=ACTION_WORDS)
     try:
         result = evaluate(lambda prompts: [c.text for c in policy.generate(prompts, greedy=True)],
                           mc_games=args.mc_games, invalid_action_penalty=penalty)

@@ -17,10 +17,10 @@ Flow: config -> actors (resumed: trainer, buffer and rollout position restored, 
 greedy evaluation -> a checkpoint every ``run.checkpoint_every`` steps -> final policy saved as
 an HF folder -> shutdown. Env actors and engines that die are restarted by Ray and their games
 replayed (``ray_forge/run/fleet.py``); ``chaos.every_s`` kills some on purpose.
-The env (``env.name``; for an OpenEnv server, ``env.openenv.kind``) decides three things only, in
-``jobs/env_hooks.py``: the texts a tiny model's tokenizer is trained on, the evaluation (BlackJack:
-exact return of the greedy decision table; code: greedy pass rate over every task, scored by the
-env pool's sandbox), and the PNGs the run ends with.
+The env (``env.name``, a spec in ``envs/registry.py``) decides, besides its games: the texts a
+tiny model's tokenizer is trained on, the prompts of the sync check, the evaluation (run by
+env-0, beside its envs: BlackJack's exact return of the greedy decision table; code's greedy pass
+rate over every task, scored by its sandbox), and the PNGs the run ends with.
 """
 
 from __future__ import annotations
@@ -39,27 +39,24 @@ from pathlib import Path
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # env_hooks, beside this file
-
-from env_hooks import EnvHooks, env_hooks, rollout_settings  # noqa: E402
-
-from ray_forge.actors.buffer import COUNTERS  # noqa: E402
-from ray_forge.actors.launch import Actors, start_actors  # noqa: E402
-from ray_forge.actors.rollout import batch_groups  # noqa: E402
-from ray_forge.cluster import pools  # noqa: E402
-from ray_forge.config import ConfigError  # noqa: E402
-from ray_forge.config.schema import JobConfig  # noqa: E402
-from ray_forge.core import checkpoint  # noqa: E402
-from ray_forge.core.checkpoint import CheckpointError  # noqa: E402
-from ray_forge.models.tiny import ModelError, check_model_dir, make_tiny_qwen3  # noqa: E402
-from ray_forge.observe.metrics import MetricsLog, metrics_row, read_metrics  # noqa: E402
-from ray_forge.remote import RemoteCallError, call, computed, get  # noqa: E402
-from ray_forge.run import sync_check  # noqa: E402
-from ray_forge.run.chaos import chaos_monkey  # noqa: E402
-from ray_forge.run.directory import FINISHED_FILE, Run, create, open_run, truncate_metrics  # noqa: E402
-from ray_forge.run.fleet import Fleet, FleetError  # noqa: E402
-from ray_forge.weights import WeightSyncError  # noqa: E402
+from envs import registry
+from ray_forge.actors.buffer import COUNTERS
+from ray_forge.actors.launch import Actors, start_actors
+from ray_forge.actors.rollout import RolloutSettings, batch_groups
+from ray_forge.cluster import pools
+from ray_forge.config import ConfigError
+from ray_forge.config.schema import JobConfig
+from ray_forge.core import checkpoint
+from ray_forge.core.checkpoint import CheckpointError
+from ray_forge.core.env import EnvSetup
+from ray_forge.models.tiny import ModelError, check_model_dir, make_tiny_qwen3
+from ray_forge.observe.metrics import MetricsLog, metrics_row, read_metrics
+from ray_forge.remote import RemoteCallError, call, computed, get
+from ray_forge.run import sync_check
+from ray_forge.run.chaos import chaos_monkey
+from ray_forge.run.directory import FINISHED_FILE, Run, create, open_run, truncate_metrics
+from ray_forge.run.fleet import Fleet, FleetError
+from ray_forge.weights import WeightSyncError
 
 log = logging.getLogger("grpo")
 
@@ -93,6 +90,10 @@ class Progress:
     """The fleet's restart and replay counts and the chaos kills, carried across resumes."""
 
 
+CARRIED = ("actor_restarts", "replayed_games", "chaos_kills")
+"""Counts since the run began, kept in ``Progress.counts`` across resumes."""
+
+
 async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: LoopState, batch: int) -> None:
     """Hands out batches of seeds to the rollout workers (the env actors), which play them against
     the policy engines and put the scored groups into the buffer: only counts come back here.
@@ -103,7 +104,7 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
     every batch is played by the newest weights only. Stops when ``state.stop`` is set, after
     the batches in play.
     """
-    settings = rollout_settings(config)
+    settings = RolloutSettings.of(config)
     num_groups = config.grpo.games_per_step // config.grpo.group_size
     num_chunks = max(len(actors.policies), len(actors.envs))
     playing: set[asyncio.Task] = set()
@@ -148,7 +149,7 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState,
     reference to the samples, which the trainer fetches itself); fails if the rollout loop died."""
     # A backstop only: every call of the rollout has its own timeout, and a batch may need a
     # generate and a step per turn, and a replay after a restart, before it is in the buffer.
-    limit_s = 2 * rollout_settings(config).play_limit_s
+    limit_s = 2 * RolloutSettings.of(config).play_limit_s
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if rollout.done():
@@ -183,7 +184,7 @@ async def push_weights(actors: Actors, fleet: Fleet, version: int) -> dict[str, 
             "weight_wait_s": engines.get("waited_s", 0.0)}
 
 
-async def check_sync(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet, step: int) -> dict:
+async def check_sync(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, step: int) -> dict:
     """policy-0 against the trainer on the env's probe prompts, right after the sync of ``step``;
     nothing (and a warning) when policy-0 is down: it is compared again at the next check."""
     if fleet.down("policy-0"):
@@ -195,7 +196,7 @@ async def check_sync(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: 
             log.warning("step %d: policy-0 holds version %d (a push failed or it restarted); the sync check waits "
                         "for the next one", step, held)
             return {}
-        return await sync_check.check(actors.policies[0], actors.trainer, hooks.probe_prompts(config),
+        return await sync_check.check(actors.policies[0], actors.trainer, env.probe_prompts(),
                                       seed=config.run.seed + step, tolerance=config.run.sync_check_tolerance,
                                       timeout_s=config.policy.call_timeout_s)
     except RemoteCallError as err:
@@ -206,8 +207,9 @@ async def check_sync(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: 
         return {}
 
 
-async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet, mc_games: int) -> tuple[dict, dict]:
-    """The env's greedy evaluation of policy-0; if an actor it uses dies, again once it is back."""
+async def evaluate(config: JobConfig, actors: Actors, fleet: Fleet, final: bool = False) -> tuple[dict, dict]:
+    """The env's greedy evaluation of policy-0, run by env-0 (``final``: the end-of-run one): its
+    whole result, and its metrics-row fields; if an actor it uses dies, again once it is back."""
     for attempt in range(3):
         await fleet.ready("policy-0")
         await fleet.ready("env-0")
@@ -218,7 +220,10 @@ async def evaluate(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fl
             if version != fleet.version:
                 log.warning("policy-0 holds weights version %d, not %d (it missed a push): evaluating what it holds",
                             version, fleet.version)
-            result, row = await hooks.evaluate(config, actors, mc_games)
+            metrics, result = await call(
+                actors.envs[0].evaluate.remote(actors.policies[0], "policy-0", final, config.policy.call_timeout_s),
+                timeout_s=RolloutSettings.of(config).play_limit_s, what="env-0.evaluate")
+            row = {f"eval_{name}": value for name, value in metrics.items()}
             return dict(result, policy_version=version), dict(row, eval_policy_version=version)
         except RemoteCallError as err:
             if not err.died or err.actor not in fleet.members or attempt == 2:
@@ -247,7 +252,7 @@ def accounting(buffer_stats: dict[str, int], fleet: Fleet, state: LoopState, car
     """Game counts since the run began: generated = trained + evicted + dropped + still buffered;
     restarts, replays and chaos kills, with ``carried`` from before a resume added."""
     row = dict(buffer_stats, **{k: v + carried.get(k, 0) for k, v in fleet.stats().items()
-                                if k in ("actor_restarts", "replayed_games")},
+                                if k in CARRIED},
                chaos_kills=len(state.chaos_kills) + carried.get("chaos_kills", 0))
     row["buffer_size"] = row.pop("buffer_games")
     accounted = sum(row[k] for k in COUNTERS[1:]) + row["buffer_size"]
@@ -277,7 +282,7 @@ async def save_checkpoint(config: JobConfig, actors: Actors, run_dir: Path, prog
     return time.monotonic() - start
 
 
-async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet, run_dir: Path,
+async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, run_dir: Path,
                 progress: Progress, first_batch: int, wall_offset_s: float) -> None:
     state = LoopState(trainer_version=progress.step)
     metrics = MetricsLog(run_dir, config.run.steps, progress=config.run.progress, done_steps=progress.step,
@@ -304,13 +309,14 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
             # Neither changes a weight (the check reads policy-0 and the trainer, the evaluation
             # policy-0 and env-0), and no push comes until both are done: side by side.
             (checked, check_s), (evaluated, eval_s) = await asyncio.gather(
-                timed(check_sync(config, hooks, actors, fleet, step) if sync_check_due else None, "sync_check_s"),
-                timed(evaluate(config, hooks, actors, fleet, 0) if eval_due else None, "eval_s"))
+                timed(check_sync(config, env, actors, fleet, step) if sync_check_due else None, "sync_check_s"),
+                timed(evaluate(config, actors, fleet) if eval_due else None, "eval_s"))
             sync.update(checked or {}, **check_s)
             rollout_s = max(state.rollout_seconds, 1e-9)
             buffer_stats = await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats")
             batch_s, state.batch_seconds = state.batch_seconds, []
-            row = dict(**batch_stats, **train_stats, **sync, rollout_batch_s=sum(batch_s) / len(batch_s) if batch_s else None,
+            row = dict(**batch_stats, **train_stats, **sync,
+                rollout_batch_s=sum(batch_s) / len(batch_s) if batch_s else None,
                        tokens_per_s=state.generated_tokens / rollout_s, episodes_per_s=state.played_games / rollout_s,
                        **accounting(buffer_stats, fleet, state, carried))
             if evaluated is not None:
@@ -324,7 +330,7 @@ async def train(config: JobConfig, hooks: EnvHooks, actors: Actors, fleet: Fleet
                     await save_policy(actors, actors.model_dir, run_dir / "best_policy", step, config.trainer.dtype)
             progress.step, progress.row = step, row
             if step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                progress.counts = {k: row[k] for k in ("actor_restarts", "replayed_games", "chaos_kills")}
+                progress.counts = {k: row[k] for k in CARRIED}
                 row["checkpoint_s"] = await save_checkpoint(config, actors, run_dir, progress)
             row["step_time_s"] = time.monotonic() - step_start
             metrics.log(step, **row)
@@ -361,7 +367,7 @@ async def save_policy(actors: Actors, model_dir: str, out_dir: Path, step: int, 
 SAVED_STEP = "ray_forge.json"
 
 
-def prepare_model(config: JobConfig, hooks: EnvHooks, run_dir: Path) -> str:
+def prepare_model(config: JobConfig, env: EnvSetup, run_dir: Path) -> str:
     """The base model: ``model.path``, or a tiny one made in the run directory (kept on resume,
     so the reference model and a restarted engine start from the same weights as before)."""
     if config.model.path:
@@ -369,7 +375,7 @@ def prepare_model(config: JobConfig, hooks: EnvHooks, run_dir: Path) -> str:
     made = run_dir / "initial_model"
     if (made / "config.json").is_file():
         return str(check_model_dir(made))
-    return str(make_tiny_qwen3(made, hooks.corpus(config), config.model.tiny))
+    return str(make_tiny_qwen3(made, env.corpus(), config.model.tiny))
 
 
 def restore_progress(run: Run) -> tuple[Progress, dict | None, float]:
@@ -419,7 +425,7 @@ async def resume(actors: Actors, fleet: Fleet, run: Run, run_step: int, buffer_s
     return buffer_state["next_batch"]
 
 
-async def run_job(run: Run, hooks: EnvHooks, model_dir: str, progress: Progress, buffer_state: dict | None,
+async def run_job(run: Run, env: EnvSetup, model_dir: str, progress: Progress, buffer_state: dict | None,
                   wall_offset_s: float) -> dict:
     config, run_dir = run.config, run.run_dir
     # A resumed run gets a namespace of its own: the killed attempt's named actors may not be gone yet.
@@ -427,18 +433,18 @@ async def run_job(run: Run, hooks: EnvHooks, model_dir: str, progress: Progress,
     started_ray = pools.connect(config.cluster, namespace=namespace)
     actors = None
     try:
-        actors = start_actors(config, model_dir, store_name=run_dir.name)
+        actors = start_actors(config, env, model_dir, store_name=run_dir.name)
         fleet = Fleet(actors.policies, actors.envs, policy_timeout_s=config.policy.call_timeout_s,
                       env_timeout_s=config.env.call_timeout_s)
         await fleet.start()
         first_batch = await resume(actors, fleet, run, progress.step, buffer_state) if buffer_state is not None else 0
-        await train(config, hooks, actors, fleet, run_dir, progress, first_batch, wall_offset_s)
+        await train(config, env, actors, fleet, run_dir, progress, first_batch, wall_offset_s)
         await save_policy(actors, actors.model_dir, run_dir / "final_policy", config.run.steps, config.trainer.dtype)
-        final, _ = await evaluate(config, hooks, actors, fleet, config.run.eval_mc_games)
+        final, final_row = await evaluate(config, actors, fleet, final=True)
         await fleet.settle()
         versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
-        pictures = hooks.pictures(run_dir, read_metrics(run_dir / "metrics.jsonl"), final)
-        summary = dict(final, run_dir=str(run_dir), steps=config.run.steps, policy_versions=versions,
+        pictures = env.pictures(run_dir, read_metrics(run_dir / "metrics.jsonl"), final)
+        summary = dict(final, **final_row, run_dir=str(run_dir), steps=config.run.steps, policy_versions=versions,
                        weight_transport=actors.store.spec.transport, pictures=[str(p) for p in pictures],
                        best_eval_return=progress.best.get("eval_return"), best_step=progress.best.get("step"))
         (run_dir / FINISHED_FILE).write_text(json.dumps(summary, indent=2))
@@ -461,15 +467,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run = open_run(args.config, args.overrides, args.resume)
-    hooks = env_hooks(run.config)
+    env = registry.setup(run.config.env)
     if run.config.model.path:  # before the run directory exists: a bad path leaves nothing behind
         check_model_dir(run.config.model.path)
     create(run)
     log.info("run directory: %s%s", run.run_dir.resolve(), " (resumed)" if run.resumed else "")
     try:
-        model_dir = prepare_model(run.config, hooks, run.run_dir)
+        model_dir = prepare_model(run.config, env, run.run_dir)
         progress, buffer_state, wall = restore_progress(run)
-        summary = asyncio.run(run_job(run, hooks, model_dir, progress, buffer_state, wall))
+        summary = asyncio.run(run_job(run, env, model_dir, progress, buffer_state, wall))
     except RUN_FAULTS as err:
         raise RunStopped(f"{err}; resume with: python jobs/grpo.py --resume {run.run_dir}") from err
     print(json.dumps({k: v for k, v in summary.items() if k not in ("decisions", "invalid_states", "tasks")}))

@@ -1,5 +1,6 @@
-"""Print a run's learning curve (exact return of the greedy policy against step and wall time) as
-Markdown; with ``--beside``, also draw BlackJack runs' evaluation curves and actor restarts in one PNG.
+"""Print a run's learning curve (its env's evaluation of the greedy policy against step and wall
+time) as Markdown; with ``--beside``, also draw several runs' evaluation curves and actor restarts
+in one PNG, or their returns against time.
 
     python jobs/learning_curve.py runs/<run>
     python jobs/learning_curve.py runs/<chaos run> --beside runs/<undisturbed run> --png side_by_side.png \
@@ -12,36 +13,50 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from envs import registry
+from ray_forge.config import load_config
+from ray_forge.config.schema import JobConfig
+from ray_forge.core.env import EnvSetup
+from ray_forge.observe.metrics import read_metrics
+from ray_forge.run.directory import CONFIG_FILE, FINISHED_FILE
 
-from ray_forge.observe.metrics import read_metrics  # noqa: E402
+PREFIX = "eval_"
+NOT_SHOWN = ("eval_policy_version", "eval_s")
+
+
+def run_env(run_dir: Path) -> EnvSetup:
+    """The env a run played, from the config it kept."""
+    config = load_config(JobConfig, run_dir / CONFIG_FILE)
+    return registry.setup(config.env)
 
 
 def curve_table(run_dir: Path) -> str:
-    lines = ["| step | games | wall time | exact return | agreement with optimal |", "|---:|---:|---:|---:|---:|"]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    names = sorted({k for r in rows for k in r if k.startswith(PREFIX) and k not in NOT_SHOWN},
+                   key=lambda k: (k != "eval_return", k))
+    lines = ["| step | games | wall time | " + " | ".join(k[len(PREFIX):] for k in names) + " |",
+             "|---:|---:|---:|" + "---:|" * len(names)]
     games = 0
-    for r in read_metrics(run_dir / "metrics.jsonl"):
+    for r in rows:
         games += r.get("num_games", 0)
         if r.get("eval_return") is None:
             continue
         minutes, seconds = divmod(int(r["wall_time_s"]), 60)
-        lines.append(f"| {r['step']} | {games:,} | {minutes}:{seconds:02d} | {r['eval_return']:.4f} | "
-                     f"{r.get('eval_agreement', float('nan')):.3f} |")
-    final = run_dir / "eval.json"
+        lines.append(f"| {r['step']} | {games:,} | {minutes}:{seconds:02d} | "
+                     + " | ".join(f"{r.get(k, float('nan')):.4f}" for k in names) + " |")
+    final = run_dir / FINISHED_FILE
     if final.is_file():
         result = json.loads(final.read_text())
-        lines.append("")
-        lines.append(f"Final policy: exact return **{result['exact_return']:.4f}**, Monte Carlo "
-                     f"{result.get('mc_return', float('nan')):.4f} ± {result.get('mc_stderr', float('nan')):.4f}, "
-                     f"agreement {result['agreement']:.3f}.")
+        shown = ", ".join(f"{k[len(PREFIX):]} **{v:.4f}**" for k, v in result.items()
+                          if k.startswith(PREFIX) and k not in NOT_SHOWN and isinstance(v, float))
+        lines += ["", f"Final policy: {shown}."]
     return "\n".join(lines)
 
 
 def evals_against_time(rows: list[dict]) -> list[tuple[float, float]]:
-    """(seconds since the first step began, exact return) of every evaluation of a run."""
+    """(seconds since the first step began, evaluation return) of every evaluation of a run."""
     start = rows[0]["wall_time_s"] - rows[0]["step_time_s"]
     return [(r["wall_time_s"] - start, r["eval_return"]) for r in rows if r.get("eval_return") is not None]
 
@@ -61,22 +76,21 @@ def main(argv: list[str] | None = None) -> None:
     labels = args.labels or [d.name for d in dirs]
     if len(labels) != len(dirs):
         parser.error(f"{len(dirs)} runs but {len(labels)} labels")
+    env = run_env(args.run_dir)
     if args.time_png:
-        from envs.blackjack.plots import reference_returns
         from ray_forge.observe.plots import returns_against_time_png
 
         curves = {label: evals_against_time(read_metrics(d / "metrics.jsonl")) for label, d in zip(labels, dirs)}
         if args.reference:
             ref = json.loads(args.reference.read_text().strip().splitlines()[-1])
             curves["bench.reference (one process)"] = [(ref["eval_at_s"][k], ref["evals"][k]) for k in ref["evals"]]
-        print(returns_against_time_png(curves, args.time_png, "BlackJack GRPO: exact return against time",
-                                       args.target, reference_returns()))
+        print(returns_against_time_png(curves, args.time_png, f"{env.spec.name}: evaluation return against time",
+                                       args.target, env.references()))
     if args.png:
-        from envs.blackjack.plots import reference_returns
         from ray_forge.observe.plots import runs_side_by_side_png
 
         runs = {label: read_metrics(d / "metrics.jsonl") for label, d in zip(labels, dirs)}
-        print(runs_side_by_side_png(runs, args.png, "BlackJack GRPO: evaluation return", reference_returns()))
+        print(runs_side_by_side_png(runs, args.png, f"{env.spec.name}: evaluation return", env.references()))
 
 
 if __name__ == "__main__":

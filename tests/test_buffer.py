@@ -1,6 +1,7 @@
 """Replay buffer eviction, hand-out and chunk rules (Ray only where the samples go to the object store)."""
 
 from ray_forge.actors.buffer import COUNTERS, ReplayBuffer
+from ray_forge.config.schema import BufferConfig
 from ray_forge.core.episode import Episode, Turn
 
 
@@ -10,7 +11,7 @@ def _group(version, group_id, size=2):
 
 
 def test_evicts_groups_older_than_the_lag():
-    buf = ReplayBuffer(max_policy_lag=1)
+    buf = ReplayBuffer(BufferConfig(max_policy_lag=1))
     buf.add([_group(0, 0), _group(1, 1), _group(2, 2)])
     assert buf.evict_stale(trainer_version=2) == 1
     assert buf.num_games() == 4
@@ -19,7 +20,7 @@ def test_evicts_groups_older_than_the_lag():
 
 
 def test_never_hands_out_twice_by_default():
-    buf = ReplayBuffer(max_policy_lag=5)
+    buf = ReplayBuffer(BufferConfig(max_policy_lag=5))
     buf.add([_group(0, g) for g in range(3)])
     first = buf.sample(4, trainer_version=0)
     assert [g[0].group_id for g in first] == [0, 1]
@@ -29,21 +30,21 @@ def test_never_hands_out_twice_by_default():
 
 
 def test_reuse_when_configured():
-    buf = ReplayBuffer(max_policy_lag=5, max_uses=2)
+    buf = ReplayBuffer(BufferConfig(max_policy_lag=5, max_uses=2))
     buf.add([_group(0, 0)])
     assert buf.sample(2, 0) is not None and buf.sample(2, 0) is not None
     assert buf.sample(2, 0) is None
 
 
 def test_capacity_drops_oldest():
-    buf = ReplayBuffer(max_policy_lag=5, capacity_games=4)
+    buf = ReplayBuffer(BufferConfig(max_policy_lag=5, capacity_games=4))
     buf.add([_group(0, g) for g in range(3)])
     assert buf.num_games() == 4 and buf.stats()["dropped_full"] == 2  # games of the oldest group
     assert buf.sample(2, 0)[0][0].group_id == 1
 
 
 def test_every_game_is_accounted_for_once():
-    buf = ReplayBuffer(max_policy_lag=1, capacity_games=6)
+    buf = ReplayBuffer(BufferConfig(max_policy_lag=1, capacity_games=6))
     same = [Episode(group_id=9, seed=9, turns=(), reward=0.5) for _ in range(2)]  # no signal: all rewards equal
     buf.add([_group(0, 0), same, _group(1, 1)], next_batch=1)
     buf.add([_group(1, 2)], next_batch=2)  # 8 games in a buffer of 6: the oldest group goes
@@ -57,10 +58,10 @@ def test_every_game_is_accounted_for_once():
 
 
 def test_state_round_trips_contents_counts_and_position():
-    buf = ReplayBuffer(max_policy_lag=5, max_uses=2)
+    buf = ReplayBuffer(BufferConfig(max_policy_lag=5, max_uses=2))
     buf.add([_group(0, 0), _group(1, 1)], next_batch=7)
     buf.sample(2, trainer_version=1)  # group 0 used once, still in
-    copy = ReplayBuffer(max_policy_lag=5, max_uses=2)
+    copy = ReplayBuffer(BufferConfig(max_policy_lag=5, max_uses=2))
     assert copy.load_state(buf.state()) == 4
     assert copy.stats() == buf.stats() and copy.next_batch == 7
     assert copy.sample(4, 1) == buf.sample(4, 1)  # same groups, same uses left: group 0 is used up
@@ -69,7 +70,7 @@ def test_state_round_trips_contents_counts_and_position():
 
 
 def test_chunks_enter_whole_batches_in_order_and_a_replayed_chunk_counts_once():
-    buffer = ReplayBuffer(max_policy_lag=5)
+    buffer = ReplayBuffer(BufferConfig(max_policy_lag=5))
 
     def g(group_id):
         return _group(0, group_id)
@@ -90,7 +91,7 @@ def test_chunks_enter_whole_batches_in_order_and_a_replayed_chunk_counts_once():
 def test_sample_batch_makes_samples_beside_the_games(ray_cluster):
     import ray
 
-    buffer = ray.remote(ReplayBuffer).options(num_cpus=0).remote(max_policy_lag=5)
+    buffer = ray.remote(ReplayBuffer).options(num_cpus=0).remote(BufferConfig(max_policy_lag=5))
     groups = [[Episode(group_id=0, seed=0, turns=(Turn((1,), (2,), (-0.5,), v),), reward=r)
                for r, v in ((0.0, 3), (1.0, 4))]]
     ray.get(buffer.add_chunk.remote(0, 0, 1, groups), timeout=60)

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
 GAMES = 256
-SMALL = ["run.eval_mc_games=200", f"grpo.games_per_step={GAMES}", "run.progress=false", "model.tiny.hidden_size=64",
+SMALL = ["env.options.blackjack.mc_games=200", f"grpo.games_per_step={GAMES}", "run.progress=false", "model.tiny.hidden_size=64",
          "model.tiny.intermediate_size=128", "model.tiny.num_layers=2", "cluster.include_dashboard=false",
          "policy.kv_cache_mb=64"]
 CHAOS = [f"run.steps={STEPS}", "run.eval_every=8", *SMALL, "env.num_actors=2", "env.resources.num_cpus=0.1",
@@ -24,8 +24,7 @@ CHAOS = [f"run.steps={STEPS}", "run.eval_every=8", *SMALL, "env.num_actors=2", "
 
 
 def test_a_run_survives_actor_kills_and_accounts_for_every_game(ray_cluster, tmp_path, caplog):
-    sys.path.insert(0, str(ROOT / "jobs"))
-    import grpo
+    from jobs import grpo
 
     with caplog.at_level("WARNING"):
         summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",

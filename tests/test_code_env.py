@@ -8,10 +8,12 @@ import time
 
 import pytest
 
+from envs import registry
 from envs.code.env import CodeEnv, extract_code
 from envs.code.reward import score_math
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import TaskError, load_tasks
+from ray_forge.config.schema import EnvConfig
 
 REFERENCE = {
     "add_digits": "def digit_sum(n):\n    return sum(map(int, str(n)))",
@@ -123,7 +125,7 @@ def test_bad_task_files_say_where(tmp_path):
 
 HOSTILE = {"loop": "```python\nwhile True:\n    pass\n```",
            "fork_bomb": "```python\nimport os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n```"}
-POOL_OPTIONS = {"concurrency": 2, "wall_s": 3.0, "cpu_s": 2.0, "memory_mb": 256}
+POOL_OPTIONS = {"concurrency": 2, "limits": {"wall_s": 3.0, "cpu_s": 2.0, "memory_mb": 256}}
 
 
 def _gcd_seed() -> int:
@@ -133,7 +135,7 @@ def _gcd_seed() -> int:
 def test_env_pool_runs_code_episodes_concurrently_and_survives_hostile_programs():
     from ray_forge.actors.env_pool import EnvPool
 
-    pool = EnvPool("code", -1.0, POOL_OPTIONS)
+    pool = EnvPool(EnvConfig(), registry.get("code").setup(POOL_OPTIONS))
     assert pool.action_words is None
     good = f"```python\n{REFERENCE['gcd']}\n```"
     prompts = [start.observation for start in pool.reset(1, [_gcd_seed()] * 4)]
@@ -151,7 +153,7 @@ def test_env_pool_runs_code_episodes_concurrently_and_survives_hostile_programs(
 def test_the_env_actor_stays_alive_after_a_hostile_program(ray_cluster):
     from ray_forge.actors.env_pool import EnvPoolActor
 
-    actor = EnvPoolActor.options(num_cpus=0).remote("code", -1.0, POOL_OPTIONS)
+    actor = EnvPoolActor.options(num_cpus=0).remote(EnvConfig(), registry.get("code").setup(POOL_OPTIONS))
     try:
         ray_cluster.get(actor.reset.remote(1, [_gcd_seed()] * 2), timeout=120)
         bad, good = ray_cluster.get(actor.step.remote(1, [0, 1], [HOSTILE["fork_bomb"],

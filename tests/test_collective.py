@@ -47,12 +47,12 @@ def setup(ray_cluster, tiny_model_dir):
                      receivers=names, timeout_s=TIMEOUT_S, bucket_bytes=2**16)  # several buckets per rank
     store = WeightStore.create(spec)
     policies = [PolicyActor.options(name=name, num_cpus=0.25, max_restarts=1).remote(
-        model_dir=tiny_model_dir, config=PolicyConfig(kv_cache_mb=64), action_words=ACTION_WORDS, seed=i,
-        store_name=spec.name) for i, name in enumerate(names)]
+        PolicyConfig(kv_cache_mb=64), model_dir=tiny_model_dir, action_words=ACTION_WORDS, seed=i,
+            store_name=spec.name) for i, name in enumerate(names)]
     allowed = ray_cluster.get(policies[0].get_allowed_token_ids.remote(), timeout=300)
     ranks = [TrainerActor.options(num_cpus=0.25).remote(
-        model_dir=tiny_model_dir, trainer=TrainerConfig(lr=3e-3), grpo=GRPOConfig(), total_steps=10, rank=r,
-        world_size=2, allowed_token_ids=allowed) for r in range(2)]
+        TrainerConfig(lr=3e-3, num_ranks=2), model_dir=tiny_model_dir, grpo=GRPOConfig(), total_steps=10, rank=r,
+            allowed_token_ids=allowed) for r in range(2)]
     trainer = TrainerGroup(ranks, timeout_s=300)
     trainer.setup()
     prompts = [BlackjackTextEnv().reset(seed) for seed in range(360)]
@@ -337,7 +337,9 @@ async def _flowing(session, version: int, num_receivers: int) -> None:
     import torch.distributed as dist
 
     client = dist.TCPStore(session.host, session.port, is_master=False, timeout=timedelta(seconds=30))
-    keys = [session.key(f"v{version}", "ready", r) for r in range(1, 1 + num_receivers)]
+    from ray_forge.weights import version_key
+
+    keys = [session.key(version_key(version), "ready", r) for r in range(1, 1 + num_receivers)]
     deadline = time.monotonic() + 60
     while not client.check(keys):
         assert time.monotonic() < deadline, "the receivers never got ready"

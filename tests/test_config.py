@@ -106,28 +106,30 @@ def test_precision_settings_are_typed():
 
 
 def test_every_config_field_has_a_docstring():
-    """The schema's promise: every field a YAML file can set says what it does (a string right after it)."""
+    """The schema's promise: every field a YAML file can set says what it does (a string right after
+    it), the job's sections and every registered env's own options (``env.options.<name>``) alike."""
     import ast
     import dataclasses
     import inspect
+    import textwrap
+    import typing
 
-    import ray_forge.config.schema as schema
+    from envs.registry import SPECS
 
-    documented: dict[str, set[str]] = {}
-    for node in ast.parse(inspect.getsource(schema)).body:
-        if isinstance(node, ast.ClassDef):
-            pairs = zip(node.body, node.body[1:])
-            documented[node.name] = {field.target.id for field, doc in pairs if isinstance(field, ast.AnnAssign)
-                                     and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-                                     and isinstance(doc.value.value, str)}
-    missing, seen, todo = [], set(), [JobConfig]
+    def documented(cls) -> set[str]:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        return {field.target.id for field, doc in zip(body, body[1:]) if isinstance(field, ast.AnnAssign)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value,
+                    ast.Constant) and isinstance(doc.value.value, str)}
+
+    missing, seen, todo = [], set(), [JobConfig, *(spec.options for spec in SPECS.values())]
     while todo:
         cls = todo.pop()
         seen.add(cls)
+        hints, names = typing.get_type_hints(cls), documented(cls)
         for field in dataclasses.fields(cls):
-            if field.name not in documented[cls.__name__]:
+            if field.name not in names:
                 missing.append(f"{cls.__name__}.{field.name}")
-            section = field.type if isinstance(field.type, type) else getattr(schema, str(field.type), None)
-            if dataclasses.is_dataclass(section) and section not in seen:
-                todo.append(section)
-    assert len(seen) >= 12 and not missing, missing
+            if dataclasses.is_dataclass(hints[field.name]) and hints[field.name] not in seen:
+                todo.append(hints[field.name])
+    assert len(seen) >= 14 and not missing, missing

@@ -79,7 +79,7 @@ def _last_hidden(model, tokenizer, prompts: list[str]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def constrained(multi_token_model):
     folder, _, _ = multi_token_model
-    engine = VLLMPolicy(model_dir=str(folder), config=PolicyConfig(kv_cache_mb=64), action_words=ACTION_WORDS)
+    engine = VLLMPolicy(PolicyConfig(kv_cache_mb=64), model_dir=str(folder), action_words=ACTION_WORDS)
     yield engine
     engine.shutdown()
 
@@ -110,11 +110,8 @@ def test_sampled_rollouts_with_multi_token_words_fail_with_the_fix(constrained):
 
 
 def test_eval_job_scores_a_multi_token_model(multi_token_model):
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
-    import eval_blackjack
+    from jobs import eval_blackjack
 
     folder, prefers_hit, clear = multi_token_model
     result = eval_blackjack.main(["--policy", str(folder), "--mc-games", "300"])

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
-import gpu_check  # noqa: E402
+from bench import gpu_check
 
 SECTIONS = ("setup", "train", "export", "store")
 

@@ -15,7 +15,7 @@ import torch
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parent.parent
-SHORT = ["run.steps=3", "run.eval_every=3", "run.eval_mc_games=500", "grpo.games_per_step=64",
+SHORT = ["run.steps=3", "run.eval_every=3", "env.options.blackjack.mc_games=500", "grpo.games_per_step=64",
          "grpo.group_size=8", "grpo.kl_coef=0.05", "trainer.lr=1e-3", "run.progress=false",
          "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
          "cluster.include_dashboard=false", "policy.kv_cache_mb=64",
@@ -56,8 +56,7 @@ def last_logged(run_dir: Path) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def finished_run(ray_cluster, tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "jobs"))
-    import grpo
+    from jobs import grpo
 
     node = next(n for n in ray_cluster.nodes() if n["Alive"])
     scraper = MetricsScraper(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics")
@@ -148,9 +147,7 @@ def test_eval_job_prints_json_last_line(finished_run):
 
 
 def test_missing_model_path_fails_fast_with_the_path(tmp_path):
-    sys.path.insert(0, str(ROOT / "jobs"))
-    import grpo
-
+    from jobs import grpo
     from ray_forge.models.tiny import ModelError
 
     with pytest.raises(ModelError, match="does not exist"):

@@ -3,7 +3,6 @@ completions, the env pool runs them in the local sandbox, TorchTitan trains, wei
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,7 @@ REFERENCE_SOLUTION = (
 
 @pytest.fixture(scope="module")
 def finished_run(ray_cluster, tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "jobs"))
-    import grpo
+    from jobs import grpo
 
     out = tmp_path_factory.mktemp("runs")
     summary = grpo.main(["--config", str(ROOT / "jobs/configs/code_tiny.yaml"), f"run.output_dir={out}", *SHORT])
@@ -103,7 +101,7 @@ def test_trainer_steps_on_free_form_completions(finished_run, ray_cluster):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from envs.code.env import CodeEnv
+    from envs.code.env import show
     from envs.code.tasks import load_tasks
     from ray_forge.actors.trainer import TrainerActor
     from ray_forge.actors.trainer_group import TrainerGroup
@@ -113,17 +111,17 @@ def test_trainer_steps_on_free_form_completions(finished_run, ray_cluster):
     summary, run_dir = finished_run
     model_dir = run_dir / "final_policy"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    env = CodeEnv(load_tasks(), executor=None)  # only shows prompts
+    tasks = load_tasks()
     samples = []
     for seed, result in enumerate(summary["tasks"][:8]):
-        prompt_ids = tuple(tokenizer.encode(env.reset(seed), add_special_tokens=False))
+        prompt_ids = tuple(tokenizer.encode(show(tasks[seed]), add_special_tokens=False))
         response_ids = tuple(tokenizer.encode(result["completion"], add_special_tokens=False))[:32] or (2,)
         samples.append(Sample(token_ids=prompt_ids + response_ids, prompt_len=len(prompt_ids),
                               behaviour_logprobs=(-6.7,) * len(response_ids), advantage=1.0 if seed % 2 else -1.0,
                               policy_version=3))
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        model_dir=str(model_dir), trainer=TrainerConfig(lr=1e-3, micro_batch_size=4), grpo=GRPOConfig(),
-        total_steps=2, rank=0, world_size=1, allowed_token_ids=None)
+        TrainerConfig(lr=1e-3, micro_batch_size=4), model_dir=str(model_dir), grpo=GRPOConfig(), total_steps=2,
+            rank=0, allowed_token_ids=None)
     group = TrainerGroup([rank], timeout_s=300)
     try:
         group.setup()

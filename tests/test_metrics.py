@@ -1,13 +1,13 @@
 """Metrics log and the learning-curve table (no Ray)."""
 
 import json
-import sys
 from pathlib import Path
 
-from ray_forge.observe.metrics import MetricsLog, read_metrics
+import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ray_forge.config import to_dict
+from ray_forge.config.schema import EnvConfig, JobConfig
+from ray_forge.observe.metrics import MetricsLog, read_metrics
 
 
 def test_metrics_rows_are_flushed_and_readable(tmp_path):
@@ -21,25 +21,28 @@ def test_metrics_rows_are_flushed_and_readable(tmp_path):
 
 
 def test_learning_curve_table(tmp_path):
-    import learning_curve
+    from jobs import learning_curve
 
     log = MetricsLog(tmp_path, total_steps=2, progress=False)
     log.log(1, num_games=64)
     log.log(2, num_games=64, eval_return=-0.0612, eval_agreement=0.9)
     log.close()
     (tmp_path / "eval.json").write_text(json.dumps(dict(exact_return=-0.06, mc_return=-0.05, mc_stderr=0.01,
-                                                         agreement=0.9)))
+                                                         eval_return=-0.06, eval_agreement=0.9, eval_policy_version=2)))
     table = learning_curve.curve_table(tmp_path)
-    assert "| 2 | 128 | 0:00 | -0.0612 | 0.900 |" in table
-    assert "exact return **-0.0600**" in table
+    assert table.splitlines()[0] == "| step | games | wall time | return | agreement |"  # the env's metrics, return first
+    assert "| 2 | 128 | 0:00 | -0.0612 | 0.9000 |" in table
+    assert "Final policy: return **-0.0600**, agreement **0.9000**." in table
 
 
 def test_runs_side_by_side_png(tmp_path, capsys):
-    import learning_curve
     from test_job import png_size
+
+    from jobs import learning_curve
 
     for name, restarts in (("chaos", [0, 1, 3]), ("plain", [0, 0, 0])):
         (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump(to_dict(JobConfig(env=EnvConfig(name="blackjack")))))
         log = MetricsLog(tmp_path / name, total_steps=3, progress=False)
         for step, count in enumerate(restarts, 1):
             log.log(step, num_games=64, actor_restarts=count, eval_return=-0.1 + 0.01 * step)

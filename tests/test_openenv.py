@@ -23,14 +23,17 @@ import pytest
 pyspiel = pytest.importorskip("pyspiel", reason="open_spiel is installed by `make` (the openenv extra)")
 pytest.importorskip("openenv", reason="openenv-core is installed by `make` (the openenv extra)")
 
+import openspiel_server  # noqa: E402  (after the skips: it imports open_spiel)
+
+from envs import registry  # noqa: E402
 from envs.blackjack import BlackjackTextEnv, State, render_state  # noqa: E402
-from envs.openenv_adapter import OpenEnvError, OpenEnvTextEnv, blackjack_state  # noqa: E402
+from envs.openenv_adapter import OpenEnvError, OpenEnvOptions, OpenEnvTextEnv, blackjack_state  # noqa: E402
 from ray_forge.actors.env_pool import EnvPool  # noqa: E402
+from ray_forge.config import ConfigError  # noqa: E402
+from ray_forge.config.schema import EnvConfig  # noqa: E402
 from ray_forge.net import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-import openspiel_server  # noqa: E402
 
 
 @contextmanager
@@ -120,7 +123,8 @@ def replay(seed: int) -> tuple[list[str], float]:
 
 
 def test_adapter_plays_full_blackjack_games_against_an_openenv_server(openspiel_url):
-    pool = EnvPool("openenv", options={"url": openspiel_url, "codec": "openspiel_blackjack", "concurrency": 4})
+    pool = EnvPool(EnvConfig(), registry.get("openenv").setup({"url": openspiel_url,
+        "codec": "openspiel_blackjack", "concurrency": 4}))
     assert pool.action_words == ("HIT", "STICK")
     seeds = list(range(100, 164))
     prompts = [[start.observation] for start in pool.reset(0, seeds)]
@@ -141,7 +145,7 @@ def test_adapter_plays_full_blackjack_games_against_an_openenv_server(openspiel_
 
 
 def test_adapter_penalises_text_that_is_no_action_and_plays_on(openspiel_url):
-    env = OpenEnvTextEnv(openspiel_url, "openspiel_blackjack", invalid_action_penalty=-1.0)
+    env = OpenEnvTextEnv(OpenEnvOptions(url=openspiel_url, codec="openspiel_blackjack"), invalid_action_penalty=-1.0)
     env.reset(7)
     result = env.step("I think I will dance")
     assert (result.reward, result.done, result.info["error"]) == (-1.0, True, "invalid action")
@@ -150,27 +154,31 @@ def test_adapter_penalises_text_that_is_no_action_and_plays_on(openspiel_url):
 
 
 def test_unreachable_or_silent_servers_fail_fast_and_clearly():
-    env = OpenEnvTextEnv(f"http://127.0.0.1:{free_port()}", "openspiel_blackjack", connect_timeout_s=2)
+    env = OpenEnvTextEnv(OpenEnvOptions(url=f"http://127.0.0.1:{free_port()}", codec="openspiel_blackjack",
+                                        connect_timeout_s=2))
     with pytest.raises(OpenEnvError, match="reset failed"):
         env.reset(0)
     with socket.socket() as silent:  # accepts connections, never answers the handshake
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        env = OpenEnvTextEnv(f"http://127.0.0.1:{silent.getsockname()[1]}", "openspiel_blackjack",
-                             connect_timeout_s=1, message_timeout_s=1)
+        env = OpenEnvTextEnv(OpenEnvOptions(url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                                            codec="openspiel_blackjack", connect_timeout_s=1, message_timeout_s=1))
         start = time.monotonic()
         with pytest.raises(OpenEnvError, match="127.0.0.1"):
             env.reset(0)
         assert time.monotonic() - start < 10
-    with pytest.raises(ValueError, match="url is empty"):
-        OpenEnvTextEnv("", "text")
-    with pytest.raises(ValueError, match="unknown OpenEnv codec"):
-        OpenEnvTextEnv("http://127.0.0.1:1", "chess")
+    with pytest.raises(ValueError, match="env.options.openenv.url is empty"):
+        OpenEnvTextEnv(OpenEnvOptions(url=""))
+    with pytest.raises(ConfigError, match="env.options.openenv.codec: 'chess' is not one of"):
+        registry.get("openenv").setup({"url": "http://127.0.0.1:1", "codec": "chess"}, "env.options.openenv")
+    with pytest.raises(ConfigError, match="no env named 'chess'"):
+        registry.get("openenv").setup({"url": "http://127.0.0.1:1", "kind": "chess"}, "env.options.openenv")
 
 
 def test_a_server_dying_mid_game_ends_that_game_with_a_reason():
     with serving("tests/openspiel_server.py") as (url, proc):
-        pool = EnvPool("openenv", options={"url": url, "codec": "openspiel_blackjack", "message_timeout_s": 5})
+        pool = EnvPool(EnvConfig(), registry.get("openenv").setup({"url": url, "codec": "openspiel_blackjack",
+            "message_timeout_s": 5}))
         pool.reset(0, [1, 2])
         proc.kill()
         proc.wait(timeout=10)
@@ -208,8 +216,9 @@ def test_openenv_client_plays_served_blackjack_exactly_like_the_local_env(blackj
 
 def test_adapter_text_codec_round_trips_a_served_env(blackjack_url):
     """ray_forge's adapter, on a ray_forge env served over OpenEnv, gives the local env's games."""
-    remote = EnvPool("openenv", options={"url": blackjack_url, "codec": "text", "concurrency": 2})
-    local = EnvPool("blackjack")
+    remote = EnvPool(EnvConfig(), registry.get("openenv").setup({"url": blackjack_url, "codec": "text",
+        "concurrency": 2}))
+    local = EnvPool(EnvConfig(), registry.get("blackjack").setup({}))
     assert remote.action_words == local.action_words == ("HIT", "STICK")
     seeds = list(range(16))
     assert remote.reset(0, seeds) == local.reset(0, seeds)
@@ -224,7 +233,7 @@ def test_openenv_client_runs_code_in_the_served_code_env():
     from envs.code.tasks import BUNDLED, load_tasks
 
     seed = [t.id for t in load_tasks(BUNDLED)].index("gcd")
-    with serving("-m", "envs.openenv_server", "env.name=code", "env.code.wall_s=2") as (url, _), \
+    with serving("-m", "envs.openenv_server", "--env", "code", "limits.wall_s=2") as (url, _), \
             GenericEnvClient(base_url=url).sync() as client:
         prompt = client.reset(seed=seed).observation
         assert "gcd" in prompt["text"] and prompt["action_words"] is None
@@ -243,12 +252,13 @@ def test_openenv_client_runs_code_in_the_served_code_env():
 @pytest.mark.ray
 @pytest.mark.vllm
 def test_grpo_job_trains_against_an_openenv_server(openspiel_url, ray_cluster, tmp_path):
-    sys.path.insert(0, str(ROOT / "jobs"))
-    import grpo
+    from jobs import grpo
 
     summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",
-                         "env.name=openenv", f"env.openenv.url={openspiel_url}", "env.openenv.codec=openspiel_blackjack",
-                         "run.steps=2", "run.eval_every=2", "run.eval_mc_games=200", "grpo.games_per_step=64",
+                         "env.name=openenv", f"env.options.openenv.url={openspiel_url}",
+                         "env.options.openenv.codec=openspiel_blackjack",
+                         "run.steps=2", "run.eval_every=2", "env.options.openenv.kind_options.mc_games=200",
+                             "grpo.games_per_step=64",
                          "run.progress=false", "model.tiny.num_layers=2", "cluster.include_dashboard=false",
                          "policy.kv_cache_mb=64"])
     run_dir = Path(summary["run_dir"])

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir):
-    engine = VLLMPolicy(model_dir=tiny_model_dir, config=PolicyConfig(kv_cache_mb=64), action_words=ACTION_WORDS)
+    engine = VLLMPolicy(PolicyConfig(kv_cache_mb=64), model_dir=tiny_model_dir, action_words=ACTION_WORDS)
     yield engine
     engine.shutdown()
 
@@ -46,7 +46,8 @@ def test_behaviour_logprobs_are_over_the_restricted_actions(policy, tiny_model_d
     for c in out:
         with torch.no_grad():
             logits = hf(torch.tensor([c.prompt_ids])).logits[:, -1:]
-        lp, _ = token_logprobs_and_entropy(logits, torch.tensor([[c.response_ids[0]]]), torch.tensor(policy.allowed_ids))
+        lp, _ = token_logprobs_and_entropy(logits, torch.tensor([[c.response_ids[0]]]),
+            torch.tensor(policy.allowed_ids))
         assert c.logprobs[0] == pytest.approx(lp.item(), abs=1e-4)
 
 
@@ -65,10 +66,11 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, ray_
     from ray_forge.weights import StoreSpec, WeightStore
 
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        model_dir=tiny_model_dir, trainer=TrainerConfig(lr=3e-3), grpo=GRPOConfig(), total_steps=5,
-        rank=0, world_size=1, allowed_token_ids=policy.allowed_ids)
+        TrainerConfig(lr=3e-3), model_dir=tiny_model_dir, grpo=GRPOConfig(), total_steps=5, rank=0,
+            allowed_token_ids=policy.allowed_ids)
     trainer = TrainerGroup([rank], timeout_s=300)
-    store = WeightStore.create(StoreSpec(name=f"vllm-test-{transport}", transport=transport, bucket_bytes=2**17))  # several buckets
+    store = WeightStore.create(StoreSpec(name=f"vllm-test-{transport}", transport=transport,
+        bucket_bytes=2**17))  # several buckets
     try:
         trainer.setup()
         # Version 1 is the untrained model, so each transport starts from the same engine state.
@@ -125,8 +127,8 @@ def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_mo
     from ray_forge.weights import StoreSpec, WeightStore
 
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        model_dir=tiny_model_dir, trainer=TrainerConfig(lr=3e-3), grpo=GRPOConfig(), total_steps=5,
-        rank=0, world_size=1, allowed_token_ids=policy.allowed_ids)
+        TrainerConfig(lr=3e-3), model_dir=tiny_model_dir, grpo=GRPOConfig(), total_steps=5, rank=0,
+            allowed_token_ids=policy.allowed_ids)
     trainer = TrainerGroup([rank], timeout_s=300)
     store = WeightStore.create(StoreSpec(name="vllm-test-in-flight", transport="shm"))
     states = [render_state(state) for state in all_states()]
@@ -208,8 +210,8 @@ def test_draws_follow_the_engines_distribution(policy, monkeypatch):
 
 def test_garbage_model_output_is_a_penalised_game(tiny_model_dir):
     """Unconstrained, a random model emits arbitrary words: games end with the penalty, nothing hangs."""
-    engine = VLLMPolicy(model_dir=tiny_model_dir, action_words=ACTION_WORDS,
-                        config=PolicyConfig(constrain_to_actions=False, max_tokens=3, kv_cache_mb=64))
+    engine = VLLMPolicy(PolicyConfig(constrain_to_actions=False, max_tokens=3, kv_cache_mb=64),
+        model_dir=tiny_model_dir, action_words=ACTION_WORDS)
     try:
         env = BlackjackTextEnv(invalid_action_penalty=-1.5)
         results = []

@@ -33,11 +33,11 @@ def _compare(ray_cluster, model_dir: str, dtype: str, name: str) -> dict:
     from ray_forge.weights import StoreSpec, WeightStore
 
     policy = PolicyActor.options(num_cpus=0.5).remote(
-        model_dir=model_dir, config=PolicyConfig(kv_cache_mb=64, dtype=dtype), action_words=ACTION_WORDS)
+        PolicyConfig(kv_cache_mb=64, dtype=dtype), model_dir=model_dir, action_words=ACTION_WORDS)
     allowed = ray.get(policy.get_allowed_token_ids.remote(), timeout=300)
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        model_dir=model_dir, trainer=TrainerConfig(lr=1e-3, dtype=dtype), grpo=GRPOConfig(), total_steps=3,
-        rank=0, world_size=1, allowed_token_ids=allowed)
+        TrainerConfig(lr=1e-3, dtype=dtype), model_dir=model_dir, grpo=GRPOConfig(), total_steps=3, rank=0,
+            allowed_token_ids=allowed)
     trainer = TrainerGroup([rank], timeout_s=300)
     store = WeightStore.create(StoreSpec(name=name, transport="shm", dtype=dtype))
     try:

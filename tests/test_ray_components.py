@@ -6,10 +6,11 @@ import time
 import pytest
 import ray
 
+from envs import registry
 from ray_forge.actors.env_pool import EnvPoolActor
 from ray_forge.actors.rollout import RemoteEnvs, RolloutSettings, play_groups
 from ray_forge.cluster.pools import PlacementError, Pools
-from ray_forge.config.schema import ClusterConfig, Resources
+from ray_forge.config.schema import BufferConfig, ClusterConfig, EnvConfig, Resources
 from ray_forge.core.env import StepResult
 from ray_forge.core.episode import Turn
 from ray_forge.remote import RemoteCallError, call
@@ -33,10 +34,12 @@ class ScriptedPolicy:
 
 
 def test_pools_place_named_actors_in_bundles(ray_cluster):
-    roles = {"policy": [Resources(pool="gpu", num_cpus=0.5)], "env": [Resources(pool="cpu", num_cpus=0.25)] * 2}
-    pools = Pools(ClusterConfig(placement_timeout_s=30), roles)
+    by_pool = {"gpu": [("policy", Resources(pool="gpu", num_cpus=0.5))],
+               "cpu": [("env", Resources(pool="cpu", num_cpus=0.25))] * 2}
+    pools = Pools(ClusterConfig(placement_timeout_s=30), by_pool)
     try:
-        envs = [EnvPoolActor.options(**slot.options(f"env-pooltest-{i}")).remote("blackjack")
+        envs = [EnvPoolActor.options(**slot.options(f"env-pooltest-{i}")).remote(EnvConfig(),
+            registry.get("blackjack").setup({}))
                 for i, slot in enumerate(pools.slots["env"])]
         assert ray.get([e.node_id.remote() for e in envs], timeout=60)
         assert ray.get_actor("env-pooltest-1") is not None
@@ -54,15 +57,15 @@ def test_unplaceable_pool_fails_with_a_clear_error(ray_cluster):
     start = time.monotonic()
     config = ClusterConfig(placement_timeout_s=2, pool_labels={"gpu": "gpu-nodes"})
     with pytest.raises(PlacementError, match="ray_forge/pool=gpu-nodes"):
-        Pools(config, {"trainer": [Resources(pool="gpu", num_cpus=1.0)]})
+        Pools(config, {"gpu": [("trainer", Resources(pool="gpu", num_cpus=1.0))]})
     with pytest.raises(PlacementError, match="pool 'gpu' needs"):
-        Pools(ClusterConfig(placement_timeout_s=2), {"trainer": [Resources(pool="gpu", num_cpus=64.0)]})
+        Pools(ClusterConfig(placement_timeout_s=2), {"gpu": [("trainer", Resources(pool="gpu", num_cpus=64.0))]})
     assert time.monotonic() - start < 30
 
 
 def test_rollout_plays_grouped_games_on_env_actors(ray_cluster):
     policy = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "HIT" if s < 12 else "STICK")
-    env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
+    env = EnvPoolActor.options(num_cpus=0).remote(EnvConfig(), registry.get("blackjack").setup({}))
     settings = RolloutSettings(group_size=4, max_turns=10, invalid_action_penalty=-1.0,
                                policy_timeout_s=30, env_timeout_s=30)
     groups = asyncio.run(play_groups(policy, "policy", RemoteEnvs(env, "env", 30), [(0, 11), (1, 12)], settings))
@@ -85,8 +88,8 @@ def test_a_rollout_worker_plays_beside_its_envs_and_fills_the_buffer(ray_cluster
     from ray_forge.remote import call
 
     policy = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "HIT" if s < 12 else "STICK")
-    env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
-    buffer = BufferActor.options(num_cpus=0).remote(max_policy_lag=5)
+    env = EnvPoolActor.options(num_cpus=0).remote(EnvConfig(), registry.get("blackjack").setup({}))
+    buffer = BufferActor.options(num_cpus=0).remote(BufferConfig(max_policy_lag=5))
     settings = RolloutSettings(group_size=4, max_turns=10, invalid_action_penalty=-1.0,
                                policy_timeout_s=30, env_timeout_s=30)
 
@@ -111,7 +114,7 @@ def test_a_rollout_worker_plays_beside_its_envs_and_fills_the_buffer(ray_cluster
 
 
 def test_garbage_actions_and_endless_games_are_penalised(ray_cluster):
-    env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
+    env = EnvPoolActor.options(num_cpus=0).remote(EnvConfig(), registry.get("blackjack").setup({}))
     settings = RolloutSettings(group_size=2, max_turns=3, invalid_action_penalty=-2.0,
                                policy_timeout_s=30, env_timeout_s=30)
     garbage = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "<unk> 7 ,")
@@ -139,7 +142,7 @@ def test_empty_output_a_game_that_never_ends_and_a_failed_reset_end_with_their_r
     settings = RolloutSettings(group_size=2, max_turns=4, invalid_action_penalty=-1.0,
                                policy_timeout_s=30, env_timeout_s=30)
     empty = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "")
-    env = EnvPoolActor.options(num_cpus=0).remote("blackjack", -1.0)
+    env = EnvPoolActor.options(num_cpus=0).remote(EnvConfig(), registry.get("blackjack").setup({}))
     [group] = asyncio.run(play_groups(empty, "policy", RemoteEnvs(env, "env", 30), [(0, 3)], settings))
     assert all(e.error == "invalid action" and e.reward == -1.0 and len(e.turns) == 1 for e in group)
 
@@ -149,7 +152,8 @@ def test_empty_output_a_game_that_never_ends_and_a_failed_reset_end_with_their_r
 
     chatty = ray.remote(Chatty).options(num_cpus=0).remote(None)
     endless = ray.remote(EndlessPool).options(num_cpus=0).remote()
-    never, failed = asyncio.run(play_groups(chatty, "policy", RemoteEnvs(endless, "env", 30), [(0, 3), (1, 13)], settings))
+    never, failed = asyncio.run(play_groups(chatty, "policy", RemoteEnvs(endless, "env", 30), [(0, 3), (1, 13)],
+        settings))
     assert all(e.error == "still playing after 4 turns" and e.reward == -1.0 and len(e.turns) == 4 for e in never)
     assert all(e.error == "env reset error: server hiccup" and e.reward == -1.0 and e.turns == () for e in failed)
     for actor in (empty, env, chatty, endless):
@@ -159,7 +163,7 @@ def test_empty_output_a_game_that_never_ends_and_a_failed_reset_end_with_their_r
 def test_a_reset_that_raises_ends_only_that_game():
     from ray_forge.actors.env_pool import EnvPool
 
-    pool = EnvPool("blackjack")
+    pool = EnvPool(EnvConfig(), registry.get("blackjack").setup({}))
     pool._make = lambda: Flaky()
     pool._free.clear()
     starts = pool.reset(0, [1, 13, 2])
@@ -188,7 +192,7 @@ class Flaky:
 
 
 def test_dead_actor_is_named_in_the_error(ray_cluster):
-    env = EnvPoolActor.options(num_cpus=0).remote("blackjack")
+    env = EnvPoolActor.options(num_cpus=0).remote(EnvConfig(), registry.get("blackjack").setup({}))
     ray.get(env.get_action_words.remote())
     ray.kill(env)
     start = time.monotonic()

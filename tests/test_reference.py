@@ -2,15 +2,13 @@
 are real GRPO groups, and a short run trains and reports, so the reference cannot rot."""
 
 import math
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
-import reference  # noqa: E402
+from bench import reference
 
 
 def test_a_group_plays_one_deal_and_records_the_sampling_distribution(tiny_model_dir):

@@ -1,7 +1,6 @@
 """The multi-node rehearsal: two labelled Ray nodes on one machine, the job via `ray job submit`,
 every actor on its pool's node (read from Ray's state API), the job SUCCEEDED."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,11 +8,10 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "cluster"))
 
 
 def test_rehearsal_places_every_actor_on_its_pool_and_the_job_succeeds(tmp_path):
-    import rehearse
+    from cluster import rehearse
 
     result = rehearse.rehearse([], tmp_path)
     assert result["status"] == "SUCCEEDED", result["log_tail"]
@@ -27,7 +25,7 @@ def test_rehearsal_places_every_actor_on_its_pool_and_the_job_succeeds(tmp_path)
 
 
 def test_misplaced_actors_are_reported():
-    import rehearse
+    from cluster import rehearse
 
     where = {"policy-0": {"node_ip": "127.0.0.3", "pool": "cpu"}, "env-0": {"node_ip": "127.0.0.3", "pool": "cpu"},
              "trainer-0": {"node_ip": "127.0.0.2", "pool": "gpu"}}

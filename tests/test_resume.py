@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Synchronous (max_policy_lag 0): every batch is played by the newest weights only, so timing cannot
 # change which games a step trains on. No evaluation before the end: it would use policy-0 in between.
 SYNC = ["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), "run.steps=4", "run.checkpoint_every=2",
-        "run.eval_every=0", "run.eval_mc_games=200", "grpo.games_per_step=64", "buffer.max_policy_lag=0",
+        "run.eval_every=0", "env.options.blackjack.mc_games=200", "grpo.games_per_step=64", "buffer.max_policy_lag=0",
         "run.progress=false", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
         "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64", "run.seed=3",
         "grpo.kl_coef=0.05"]  # with a reference model: it must stay the base model across a resume
@@ -45,8 +45,7 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "jobs"))
-    import grpo
+    from jobs import grpo
 
     summary = grpo.main([*SYNC, f"run.output_dir={tmp_path_factory.mktemp('plain')}"])
     return Path(summary["run_dir"])
@@ -73,7 +72,7 @@ def run_until(args: list[str], until, timeout_s: float = 300) -> subprocess.Pope
 
 
 def test_killed_driver_resumes_to_the_same_weights_bit_for_bit(uninterrupted, tmp_path, caplog):
-    import grpo
+    from jobs import grpo
 
     out = tmp_path / "runs"
     proc = run_until([*SYNC, f"run.output_dir={out}"],
@@ -104,7 +103,7 @@ def test_killed_driver_resumes_to_the_same_weights_bit_for_bit(uninterrupted, tm
 def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted, tmp_path, caplog):
     import shutil
 
-    import grpo
+    from jobs import grpo
 
     run_dir = tmp_path / uninterrupted.name
     shutil.copytree(uninterrupted, run_dir)

@@ -429,7 +429,7 @@ def test_without_what_isolation_needs_the_sandbox_refuses_to_start(denied, named
     assert out.stdout.startswith("REFUSED"), out.stdout + out.stderr
     assert named in out.stdout and "isolation 'full'" in out.stdout
     if named != "seccomp":
-        assert "seccompProfile" in out.stdout and "env.code.isolation: none" in out.stdout  # how to get it
+        assert "seccompProfile" in out.stdout and "env.options.code.isolation: none" in out.stdout  # how to get it
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to drop CAP_SETUID from root")

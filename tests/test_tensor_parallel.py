@@ -14,12 +14,14 @@ from ray_forge.config.schema import JobConfig, PolicyConfig
 def test_cpu_binding_splits_the_cores_between_workers():
     assert cpu_binding(2, [0, 1]) == "0|1"
     assert cpu_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 needs a core per worker on CPU; this engine may use 2"):
+    with pytest.raises(ValueError,
+        match="tensor_parallel_size=4 needs a core per worker on CPU; this engine may use 2"):
         cpu_binding(4, [0, 1])
 
 
 def test_an_engines_bundle_must_hold_its_workers():
-    with pytest.raises(ConfigError, match=r"policy.resources.num_gpus \(1\) must equal policy.tensor_parallel_size \(2\)"):
+    with pytest.raises(ConfigError,
+        match=r"policy.resources.num_gpus \(1\) must equal policy.tensor_parallel_size \(2\)"):
         load_config(JobConfig, overrides=["policy.tensor_parallel_size=2", "policy.resources.num_gpus=1"])
     with pytest.raises(ConfigError, match=r"policy.resources.num_cpus \(1\) must be at least"):
         load_config(JobConfig, overrides=["policy.tensor_parallel_size=2", "policy.resources.num_cpus=1"])
@@ -34,8 +36,8 @@ def test_two_workers_on_cpu_decide_as_one_does(tiny_model_dir):
     prompts = [render_state(s) for s in all_states()]
     results = {}
     for tp in (2, 1):  # the single worker after: the 2-worker binding must not stay behind
-        engine = VLLMPolicy(model_dir=tiny_model_dir, action_words=ACTION_WORDS,
-                            config=PolicyConfig(kv_cache_mb=64, tensor_parallel_size=tp))
+        engine = VLLMPolicy(PolicyConfig(kv_cache_mb=64, tensor_parallel_size=tp), model_dir=tiny_model_dir,
+            action_words=ACTION_WORDS)
         try:
             greedy = engine.generate(prompts, greedy=True)
             sampled = engine.generate(prompts, seed=7)
@@ -66,11 +68,11 @@ def test_a_two_worker_engine_matches_the_trainer_after_a_sync(ray_cluster, tiny_
     from ray_forge.weights import StoreSpec, WeightStore
 
     policy = PolicyActor.options(num_cpus=1).remote(
-        model_dir=tiny_model_dir, action_words=ACTION_WORDS, config=PolicyConfig(kv_cache_mb=64, tensor_parallel_size=2))
+        PolicyConfig(kv_cache_mb=64, tensor_parallel_size=2), model_dir=tiny_model_dir, action_words=ACTION_WORDS)
     allowed = ray_cluster.get(policy.get_allowed_token_ids.remote(), timeout=300)
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        model_dir=tiny_model_dir, trainer=TrainerConfig(lr=3e-3), grpo=GRPOConfig(), total_steps=3, rank=0,
-        world_size=1, allowed_token_ids=allowed)
+        TrainerConfig(lr=3e-3), model_dir=tiny_model_dir, grpo=GRPOConfig(), total_steps=3, rank=0,
+            allowed_token_ids=allowed)
     trainer = TrainerGroup([rank], timeout_s=300)
     store = WeightStore.create(StoreSpec(name="tp2-sync", transport="shm", bucket_bytes=2**17))
     prompts = [render_state(s) for s in all_states()]

@@ -29,8 +29,9 @@ def _samples(tokenizer, allowed):
 
 def _run(model_dir, world_size, samples, allowed, tmp_path):
     ranks = [TrainerActor.options(name=f"trainer-test{world_size}-{r}", num_cpus=0.5).remote(
-        model_dir=model_dir, trainer=TrainerConfig(lr=1e-3, micro_batch_size=8), grpo=GRPOConfig(entropy_coef=0.01),
-        total_steps=3, rank=r, world_size=world_size, allowed_token_ids=allowed) for r in range(world_size)]
+        TrainerConfig(lr=1e-3, micro_batch_size=8, num_ranks=world_size), model_dir=model_dir,
+            grpo=GRPOConfig(entropy_coef=0.01), total_steps=3, rank=r,
+                allowed_token_ids=allowed) for r in range(world_size)]
     group = TrainerGroup(ranks, timeout_s=300)
     try:
         group.setup()
@@ -78,8 +79,9 @@ def test_two_rank_fsdp_matches_one_rank(ray_cluster, tiny_model_dir, tmp_path):
 
 def _ranks(model_dir, world_size, allowed, tag):
     return [TrainerActor.options(name=f"trainer-{tag}-{r}", num_cpus=0.5).remote(
-        model_dir=model_dir, trainer=TrainerConfig(lr=1e-3, micro_batch_size=8), grpo=GRPOConfig(entropy_coef=0.01),
-        total_steps=4, rank=r, world_size=world_size, allowed_token_ids=allowed) for r in range(world_size)]
+        TrainerConfig(lr=1e-3, micro_batch_size=8, num_ranks=world_size), model_dir=model_dir,
+            grpo=GRPOConfig(entropy_coef=0.01), total_steps=4, rank=r,
+                allowed_token_ids=allowed) for r in range(world_size)]
 
 
 def _weights(group, folder):

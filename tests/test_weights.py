@@ -452,10 +452,10 @@ def test_two_fsdp_ranks_put_their_own_shards_and_vllm_loads_the_whole_model(ray_
     from ray_forge.core.episode import Sample
 
     model_dir = tied_unaligned_model_dir
-    engine = VLLMPolicy(model_dir=model_dir, config=PolicyConfig(kv_cache_mb=64), action_words=ACTION_WORDS)
+    engine = VLLMPolicy(PolicyConfig(kv_cache_mb=64), model_dir=model_dir, action_words=ACTION_WORDS)
     ranks = [TrainerActor.options(num_cpus=0.5).remote(
-        model_dir=model_dir, trainer=TrainerConfig(lr=3e-3), grpo=GRPOConfig(), total_steps=5, rank=r,
-        world_size=2, allowed_token_ids=engine.allowed_ids) for r in range(2)]
+        TrainerConfig(lr=3e-3, num_ranks=2), model_dir=model_dir, grpo=GRPOConfig(), total_steps=5, rank=r,
+            allowed_token_ids=engine.allowed_ids) for r in range(2)]
     trainer = TrainerGroup(ranks, timeout_s=300)
     store = WeightStore.create(StoreSpec(name=f"test-{uuid.uuid4().hex[:8]}", transport="shm", bucket_bytes=2**16,
                                          senders=("trainer-0", "trainer-1")))

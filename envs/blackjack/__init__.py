@@ -3,8 +3,11 @@
 from envs.blackjack.env import ACTION_WORDS, DEFAULT_PENALTY, BlackjackTextEnv, State, parse_action, render_state
 from envs.blackjack.exact import DecisionTable, evaluate_table, optimal_table
 from envs.blackjack.policy_eval import decision_table, evaluate, monte_carlo_return
+from envs.blackjack.spec import SPEC, BlackjackOptions
 
 __all__ = [
+    "SPEC",
+    "BlackjackOptions",
     "ACTION_WORDS",
     "DEFAULT_PENALTY",
     "BlackjackTextEnv",

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import gymnasium as gym
 
-from ray_forge.core.env import StepResult
+from ray_forge.core.env import StepResult, TextEnv
 
 ACTION_WORDS = ("HIT", "STICK")
 DEFAULT_PENALTY = -1.0
@@ -55,7 +55,7 @@ def outcome_text(reward: float) -> str:
     return "You win." if reward > 0 else "You lose." if reward < 0 else "Push."
 
 
-class BlackjackTextEnv:
+class BlackjackTextEnv(TextEnv):
     """gymnasium's Blackjack-v1 behind the ``TextEnv`` protocol."""
 
     action_words = ACTION_WORDS

@@ -87,7 +87,8 @@ def run_pictures(run_dir: str | Path, rows: list[dict], final: dict) -> list[Pat
     """The PNGs a BlackJack run ends with: its learning curve and its final decision table
     (``final`` is ``policy_eval.evaluate``'s result)."""
     run_dir = Path(run_dir)
-    return [learning_curve_png(rows, run_dir / "learning_curve.png", "BlackJack GRPO", reference_returns()),
+    agreement = ("eval_agreement", "agreement with optimal\n(reach-weighted)", (0, 1))
+    return [learning_curve_png(rows, run_dir / "learning_curve.png", "BlackJack GRPO", reference_returns(), agreement),
             decision_table_png(final["decisions"], run_dir / "decision_table.png",
                                invalid_states=final.get("invalid_states", ()),
                                penalty=final.get("invalid_action_penalty", DEFAULT_PENALTY))]

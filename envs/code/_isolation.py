@@ -33,8 +33,8 @@ REMEDY = ("To get it: on Kubernetes run the env pool's pods with seccompProfile 
           "'Unconfined' (cluster/*.yaml does; the default container profiles refuse user namespaces "
           "and mounts); on a host allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
           "and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0). Or score with Together's Code "
-          "Interpreter (env.code.backend: together), or, on your own machine only, opt out with "
-          "env.code.isolation: none.")
+          "Interpreter (env.options.code.backend: together), or, on your own machine only, opt out with "
+          "env.options.code.isolation: none.")
 
 ROOT_WITHOUT_CAPS = ("root without CAP_SETUID and CAP_SETGID cannot give the sandbox an unprivileged uid of its "
                      "own (and root's would lift the process limit); run the env pool as a non-root user "

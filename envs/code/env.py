@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Protocol
 
 from envs.code.reward import NoResult, harness_program, score_code, score_math
-from envs.code.sandbox import ExecResult
+from envs.code.sandbox import Executor
 from envs.code.tasks import Task
-from ray_forge.core.env import StepResult
+from ray_forge.core.env import StepResult, TextEnv
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)  # [ \t]*, not \s*: no quadratic backtracking
 ERROR_REWARD_RANGE = (-1.0, 0.0)
-
-
-class Executor(Protocol):
-    def execute(self, code: str) -> ExecResult: ...
 
 
 def extract_code(completion: str) -> str:
@@ -30,7 +25,14 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-class CodeEnv:
+def show(task: Task) -> str:
+    """The prompt of ``task``, as the env shows it."""
+    if task.kind == "code":
+        return f"{task.prompt}\nAnswer with the function in a ```python block."
+    return f"{task.prompt}\nWrite a Python program that prints the answer, in a ```python block."
+
+
+class CodeEnv(TextEnv):
     """One task per episode, chosen by the seed. Rewards are in [0, 1] (``reward.py``), or
     ``error_reward`` (in [-1, 0]) when the execution failed or its calls never ran."""
 
@@ -47,11 +49,8 @@ class CodeEnv:
 
     def reset(self, seed: int) -> str:
         self.task = self.tasks[seed % len(self.tasks)]
-        if hasattr(self.executor, "new_session"):  # a remote interpreter: one session per episode
-            self.executor.new_session()
-        if self.task.kind == "code":
-            return f"{self.task.prompt}\nAnswer with the function in a ```python block."
-        return f"{self.task.prompt}\nWrite a Python program that prints the answer, in a ```python block."
+        self.executor.new_session()
+        return show(self.task)
 
     def step(self, action_text: str) -> StepResult:
         if self.task is None:

@@ -32,6 +32,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from envs.code._isolation import ROOT_WITHOUT_CAPS
 
@@ -150,7 +151,17 @@ class _Zygote:
         self.proc.wait(timeout=10)
 
 
-class LocalSandbox:
+class Executor(Protocol):
+    """Runs one program and says what came of it: the local sandbox, or Together's interpreter."""
+
+    def execute(self, code: str) -> ExecResult: ...
+
+    def new_session(self) -> None:
+        """The next execution starts afresh (a remote interpreter keeps state within a session)."""
+        return None
+
+
+class LocalSandbox(Executor):
     """``sandbox.execute(code) -> ExecResult``; thread-safe, ``size`` executions at once."""
 
     def __init__(self, size: int = 2, limits: Limits = Limits(), isolation: str = "full",

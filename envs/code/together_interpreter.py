@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from envs.code.sandbox import ExecResult
+from envs.code.sandbox import ExecResult, Executor
 
 
 def _outputs_to_text(outputs: list[dict]) -> tuple[str, str, bool]:
@@ -38,7 +38,7 @@ def _expired(errors: Any) -> bool:
     return "session" in str(errors).lower()
 
 
-class TogetherCodeInterpreter:
+class TogetherCodeInterpreter(Executor):
     """``execute(code) -> ExecResult``; call :meth:`new_session` at the start of every episode."""
 
     def __init__(self, timeout_s: float = 60.0, max_retries: int = 3, client=None) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from ray_forge.config.schema import BufferConfig
 from ray_forge.core.algorithm import group_advantages
 from ray_forge.core.batch import groups_to_samples
 from ray_forge.core.episode import Episode
@@ -51,12 +52,10 @@ class ReplayBuffer:
     worker that died after adding it, replayed) counts once.
     """
 
-    def __init__(self, *, max_policy_lag: int, max_uses: int = 1, capacity_games: int = 65536) -> None:
-        if max_uses < 1:
-            raise ValueError("max_uses must be >= 1")
-        self.max_policy_lag = max_policy_lag
-        self.max_uses = max_uses
-        self.capacity_games = capacity_games
+    def __init__(self, config: BufferConfig) -> None:
+        self.max_policy_lag = config.max_policy_lag
+        self.max_uses = config.max_uses
+        self.capacity_games = config.capacity_games
         self._entries: deque[_Entry] = deque()
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.next_batch = 0

@@ -6,6 +6,7 @@ buffer. The driver hands out seeds and gets counts back; no token passes through
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -14,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from envs.registry import env_factory
 from ray_forge.actors.rollout import LocalEnvs, RolloutSettings, play_groups
-from ray_forge.core.env import StepResult, TextEnv
+from ray_forge.config.schema import EnvConfig
+from ray_forge.core.env import EnvSetup, StepResult, TextEnv
 from ray_forge.core.episode import Episode
-from ray_forge.remote import ActorRestarted, call
+from ray_forge.remote import ActorRestarted, call, get
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,10 @@ class EnvPool:
     the pool down: that game ends with the penalty and the error is reported in ``info``.
     """
 
-    def __init__(self, name: str, invalid_action_penalty: float = -1.0, options: dict | None = None) -> None:
-        self._make = env_factory(name, invalid_action_penalty, options)
-        self._penalty = invalid_action_penalty
+    def __init__(self, config: EnvConfig, env: EnvSetup) -> None:
+        """``env``: the job's env (``envs/registry.py``); its spec's factory runs here, once."""
+        self._env, self._penalty = env, config.invalid_action_penalty
+        self._make = env.make_env(self._penalty)
         self._batches: dict[int, list[TextEnv]] = {}
         self._free: list[TextEnv] = []
         first = self._make()
@@ -42,7 +44,7 @@ class EnvPool:
         self._free.append(first)
         # Envs that wait on execution or a server (code, openenv) run in parallel; cheap envs
         # run in this thread.
-        concurrency = (options or {}).get("concurrency", 1)
+        concurrency = env.concurrency()
         self._threads = ThreadPoolExecutor(concurrency) if concurrency > 1 else None
         self._lock = threading.RLock()
 
@@ -104,13 +106,23 @@ class EnvPool:
         return dict(games=sum(len(g) for g in played),
                     tokens=sum(len(t.response_ids) for g in played for e in g for t in e.turns))
 
+    async def evaluate(self, policy, policy_name: str, final: bool, timeout_s: float) -> tuple[dict[str, float], dict]:
+        """The env's own greedy evaluation of ``policy`` (its metrics and whole result), run here
+        beside the envs (a sandbox, a server's sessions) in a thread, so plays go on meanwhile."""
+        def decide(prompts: list[str]) -> list[str]:
+            # Ahead of the rollouts' requests: the training loop waits for this evaluation.
+            return [turn.text for turn in get(policy.generate.remote(prompts, True, None, -1), timeout_s=timeout_s,
+                                              what=f"{policy_name}.generate")]
+
+        return await asyncio.to_thread(self._env.evaluate, decide, self._make,
+                                       invalid_action_penalty=self._penalty, final=final)
+
     def close(self) -> None:
         """Frees what envs hold outside this process (an OpenEnv server's sessions)."""
         for key in list(self._batches):
             self.release(key)
         for env in self._free:
-            if hasattr(env, "close"):
-                env.close()
+            env.close()
         self._free.clear()
 
     def get_action_words(self) -> tuple[str, ...] | None:

@@ -14,9 +14,10 @@ from ray_forge.actors.policy import PolicyActor
 from ray_forge.actors.reference import ReferenceActor
 from ray_forge.actors.trainer import TrainerActor
 from ray_forge.actors.trainer_group import TrainerGroup
-from ray_forge.cluster.pools import POOL_LABEL, Pools
+from ray_forge.cluster.pools import Pools
 from ray_forge.config import ConfigError
-from ray_forge.config.schema import JobConfig
+from ray_forge.config.schema import POOL_LABEL, JobConfig
+from ray_forge.core.env import EnvSetup
 from ray_forge.remote import get
 from ray_forge.weights import StoreSpec, WeightStore, resolve_transport
 
@@ -62,16 +63,12 @@ class Actors:
             self.store.transport.destroy()
 
 
-def _threads(num_cpus: float) -> int:
-    return max(1, int(num_cpus))
-
-
-def start_actors(config: JobConfig, model_dir: str, store_name: str) -> Actors:
+def start_actors(config: JobConfig, env: EnvSetup, model_dir: str, store_name: str) -> Actors:
     """Create all actors at once (their start-ups overlap), then wait for them to be ready."""
-    pools = Pools(config.cluster, config.roles())
+    pools = Pools(config.cluster, config.pools())
     handles: list = []
     try:
-        return _start_on(pools, config, model_dir, store_name, handles)
+        return _start_on(pools, config, env, model_dir, store_name, handles)
     except BaseException:
         for handle in handles:
             ray.kill(handle, no_restart=True)
@@ -79,22 +76,23 @@ def start_actors(config: JobConfig, model_dir: str, store_name: str) -> Actors:
         raise
 
 
-def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, handles: list) -> Actors:
-    kl = config.grpo.kl_coef > 0
+def _start(actor, placement: dict, section, *, max_restarts: int = 0, **found):
+    """Every actor starts the same way: its resources and placement from config at ``.options()``,
+    its own config section first, then what the run found out (the model folder, its rank, the
+    action tokens) as keywords."""
+    return actor.options(**placement, runtime_env=_OFFLINE_ENV, max_restarts=max_restarts).remote(section, **found)
+
+
+def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, store_name: str,
+              handles: list) -> Actors:
     slots = pools.slots
-    options = config.env.options()
-    envs = [EnvPoolActor.options(**slot.options(f"env-{i}"), max_restarts=config.env.max_restarts).remote(
-                config.env.name, config.env.invalid_action_penalty, options)
+    envs = [_start(EnvPoolActor, slot.options(f"env-{i}"), config.env, max_restarts=config.env.max_restarts, env=env)
             for i, slot in enumerate(slots["env"])]
     handles += envs
     action_words = get(envs[0].get_action_words.remote(), timeout_s=config.env.call_timeout_s, what="env-0")
-    policies = [
-        PolicyActor.options(**slot.options(f"policy-{i}"), runtime_env=_OFFLINE_ENV,
-                            max_restarts=config.policy.max_restarts).remote(
-            model_dir=model_dir, config=config.policy, action_words=action_words, seed=config.run.seed + i,
-            store_name=store_name)
-        for i, slot in enumerate(slots["policy"])
-    ]
+    policies = [_start(PolicyActor, slot.options(f"policy-{i}"), config.policy, max_restarts=config.policy.max_restarts,
+                       model_dir=model_dir, action_words=action_words, seed=config.run.seed + i, store_name=store_name)
+                for i, slot in enumerate(slots["policy"])]
     handles += policies
     allowed = get(policies[0].get_allowed_token_ids.remote(), timeout_s=config.policy.call_timeout_s,
                   what="policy-0 (vLLM engine start)")
@@ -103,27 +101,22 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, 
         raise ConfigError(f"policy.constrain_to_actions=true needs each action word {list(action_words)} to be one "
                           "token of this tokenizer; set policy.constrain_to_actions=false and policy.max_tokens "
                           "large enough to spell them (evaluation still answers with exactly one of them)")
-    ranks = [
-        TrainerActor.options(**slot.options(f"trainer-{r}"), runtime_env=_OFFLINE_ENV).remote(
-            model_dir=model_dir, trainer=config.trainer, grpo=config.grpo, total_steps=config.run.steps,
-            rank=r, world_size=config.trainer.num_ranks, allowed_token_ids=allowed,
-            temperature=config.policy.temperature, num_threads=_threads(slot.resources.num_cpus))
-        for r, slot in enumerate(slots["trainer"])
-    ]
+    ranks = [_start(TrainerActor, slot.options(f"trainer-{r}"), config.trainer, grpo=config.grpo, model_dir=model_dir,
+                    total_steps=config.run.steps, rank=r, allowed_token_ids=allowed,
+                    temperature=config.policy.temperature)
+             for r, slot in enumerate(slots["trainer"])]
     handles += ranks
     reference = None
-    if kl:
-        slot = slots["reference"][0]
-        reference = ReferenceActor.options(**slot.options("ref"), runtime_env=_OFFLINE_ENV).remote(
-            model_dir=model_dir, allowed_token_ids=allowed, temperature=config.policy.temperature,
-            num_threads=_threads(slot.resources.num_cpus),
-            micro_batch_size=config.trainer.micro_batch_size)
-    # On the driver's node: the buffer writes its part of each checkpoint into the run directory.
+    if config.grpo.kl_coef > 0:
+        reference = _start(ReferenceActor, slots["reference"][0].options("ref"), config.reference, model_dir=model_dir,
+                           allowed_token_ids=allowed, temperature=config.policy.temperature,
+                           micro_batch_size=config.trainer.micro_batch_size)
+        handles.append(reference)
+    # On the driver's node, in no pool: the buffer writes its part of each checkpoint into the run directory.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    buffer = BufferActor.options(name="buffer", num_cpus=0, scheduling_strategy=here).remote(
-        max_policy_lag=config.buffer.max_policy_lag, max_uses=config.buffer.max_uses,
-        capacity_games=config.buffer.capacity_games)
-    handles += [buffer] + ([reference] if reference else [])
+    buffer = _start(BufferActor, dict(name="buffer", num_cpus=config.buffer.num_cpus, scheduling_strategy=here),
+                    config.buffer)
+    handles.append(buffer)
     trainer = TrainerGroup(ranks, config.trainer.call_timeout_s)
     num_params = trainer.setup()
     policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=config.policy.call_timeout_s,
@@ -138,7 +131,7 @@ def _start_on(pools: Pools, config: JobConfig, model_dir: str, store_name: str, 
     store = WeightStore.create(store_spec(config, store_name, transport))
     actors = Actors(policies, envs, buffer, trainer, reference, store, pools, model_dir, handles)
     log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s, weights over %s",
-             len(policies), len(ranks), num_params / 1e6, len(envs), kl, transport)
+             len(policies), len(ranks), num_params / 1e6, len(envs), reference is not None, transport)
     env_nodes = get([e.node_id.remote() for e in envs], timeout_s=60, what="env actors")
     log_placement({**{f"policy-{i}": n for i, n in enumerate(policy_nodes)},
                    **{f"trainer-{r}": n for r, n in enumerate(trainer_nodes)},

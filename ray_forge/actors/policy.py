@@ -77,7 +77,7 @@ def cpu_binding(num_workers: int, cores: list[int] | None = None) -> str:
 class VLLMPolicy:
     """One engine in this process (uni executor): ~3 s to start instead of ~20 s with workers."""
 
-    def __init__(self, *, model_dir: str, config: PolicyConfig, action_words: tuple[str, ...] | None,
+    def __init__(self, config: PolicyConfig, *, model_dir: str, action_words: tuple[str, ...] | None,
                  seed: int = 0, store_name: str = "") -> None:
         # Must be set before vLLM is imported: keep the engine core (and, without tensor
         # parallelism, the worker) in this actor.
@@ -134,10 +134,10 @@ class VLLMPolicy:
     def _catch_up(self, store_name: str) -> None:
         """A restarted engine starts from the base model: load the newest published policy
         version before the first request is served (Ray runs no call before the constructor ends)."""
-        from ray_forge.weights.base import StoreSpec
+        from ray_forge.weights.base import controller_name
 
         try:
-            controller = ray.get_actor(StoreSpec(name=store_name, transport="shm").controller_name)
+            controller = ray.get_actor(controller_name(store_name))
         except ValueError:
             log.warning("restarted before any weights were published: serving the base model (version 0)")
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ray
 import torch
 
+from ray_forge.config.schema import ReferenceConfig
 from ray_forge.core.algorithm import token_logprobs_and_entropy
 from ray_forge.core.batch import collate, response_logprobs
 from ray_forge.core.episode import Sample
@@ -14,9 +15,9 @@ from ray_forge.models.qwen3 import build_qwen3
 class ReferenceModel:
     """TorchTitan's Qwen3 with the starting weights, forward only, no sharding."""
 
-    def __init__(self, *, model_dir: str, allowed_token_ids: list[int] | None, temperature: float = 1.0,
-                 num_threads: int = 1, micro_batch_size: int = 4096) -> None:
-        torch.set_num_threads(max(1, num_threads))
+    def __init__(self, config: ReferenceConfig, *, model_dir: str, allowed_token_ids: list[int] | None,
+                 temperature: float = 1.0, micro_batch_size: int = 4096) -> None:
+        torch.set_num_threads(max(1, int(config.resources.num_cpus)))
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, _ = build_qwen3(model_dir, self.device)
         self.model.eval()

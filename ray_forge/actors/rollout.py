@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from ray_forge.config.schema import JobConfig
 from ray_forge.core.env import StepResult
 from ray_forge.core.episode import Episode, Turn
 from ray_forge.remote import RemoteCallError, call
@@ -27,6 +28,13 @@ class RolloutSettings:
     """Play the policy's most likely completion instead of sampling (evaluation)."""
     priority: int = 0
     """The engine schedules waiting requests of a lower priority first (evaluations: -1)."""
+
+    @classmethod
+    def of(cls, config: JobConfig) -> RolloutSettings:
+        """A run's rollouts, as its config says."""
+        return cls(group_size=config.grpo.group_size, max_turns=config.env.max_turns,
+                   invalid_action_penalty=config.env.invalid_action_penalty,
+                   policy_timeout_s=config.policy.call_timeout_s, env_timeout_s=config.env.call_timeout_s)
 
     @property
     def play_limit_s(self) -> float:

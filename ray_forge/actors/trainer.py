@@ -48,16 +48,15 @@ class TitanTrainer:
     """One rank. ``setup`` joins the process group and shards the model; ``train_step`` takes
     the whole batch and uses its rank's rows; ``export_hf`` gathers full weights (all ranks)."""
 
-    def __init__(self, *, model_dir: str, trainer: TrainerConfig, grpo: GRPOConfig, total_steps: int,
-                 rank: int, world_size: int, allowed_token_ids: list[int] | None, temperature: float = 1.0,
-                 num_threads: int = 1) -> None:
-        self.model_dir, self.cfg, self.grpo = model_dir, trainer, grpo
-        self.total_steps, self.rank, self.world_size = total_steps, rank, world_size
+    def __init__(self, config: TrainerConfig, *, grpo: GRPOConfig, model_dir: str, total_steps: int, rank: int,
+                 allowed_token_ids: list[int] | None, temperature: float = 1.0) -> None:
+        self.model_dir, self.cfg, self.grpo = model_dir, config, grpo
+        self.total_steps, self.rank, self.world_size = total_steps, rank, config.num_ranks
         self.allowed = torch.tensor(allowed_token_ids) if allowed_token_ids else None
         self.temperature = temperature
         self.device = device_type()
         self.version = 0
-        torch.set_num_threads(max(1, num_threads))
+        torch.set_num_threads(max(1, int(config.resources.num_cpus)))
         self.model = self.adapter = self.optimizer = self.scheduler = None
         self.store: WeightStore | None = None
 

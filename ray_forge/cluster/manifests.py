@@ -25,9 +25,10 @@ from pathlib import Path
 
 import yaml
 
+from ray_forge.config.schema import POOL_LABEL
+
 KINDS = {"RayJob": "rayjobs.ray.io", "RayCluster": "rayclusters.ray.io"}
 MAX_NAME = {"RayJob": 47, "RayCluster": 63}  # the operator's limits (names feed derived resources)
-POOL_LABEL = "ray_forge/pool"
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
@@ -282,11 +283,7 @@ def job_config_from_entrypoint(entrypoint: str, root: Path):
 def placement_errors(config, groups: list[NodeGroup]) -> list[str]:
     """Every pool's bundles must pack onto the nodes carrying its label (first fit, largest first)."""
     errors = []
-    by_pool: dict[str, list] = {}
-    for role, resources in config.roles().items():
-        for res in resources:
-            by_pool.setdefault(res.pool, []).append((role, res))
-    for pool, members in by_pool.items():
+    for pool, members in config.pools().items():
         label = config.cluster.pool_labels.get(pool)
         nodes = [[g.cpus, g.gpus] for g in groups for _ in range(g.replicas)
                  if label is None or g.labels.get(POOL_LABEL) == label]

@@ -15,11 +15,10 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_forge.config.schema import ClusterConfig, Resources
+from ray_forge.config.schema import POOL_LABEL, ClusterConfig, Resources
 
 log = logging.getLogger(__name__)
 
-POOL_LABEL = "ray_forge/pool"
 NAMESPACE = "ray_forge"
 
 
@@ -79,15 +78,12 @@ class Slot:
 class Pools:
     """One placement group per pool; ``reserve`` every role's bundles, then hand out slots."""
 
-    def __init__(self, config: ClusterConfig, roles: dict[str, list[Resources]]) -> None:
+    def __init__(self, config: ClusterConfig, pools: dict[str, list[tuple[str, Resources]]]) -> None:
+        """``pools``: ``JobConfig.pools()``."""
         self._groups: list[PlacementGroup] = []
-        self.slots: dict[str, list[Slot]] = {role: [] for role in roles}
-        by_pool: dict[str, list[tuple[str, Resources]]] = {}
-        for role, resources in roles.items():
-            for res in resources:
-                by_pool.setdefault(res.pool, []).append((role, res))
+        self.slots: dict[str, list[Slot]] = {role: [] for members in pools.values() for role, _ in members}
         try:
-            for pool, members in by_pool.items():
+            for pool, members in pools.items():
                 group = self._reserve(pool, [res for _, res in members], config)
                 for index, (role, res) in enumerate(members):
                     self.slots[role].append(Slot(group, index, res))

@@ -6,7 +6,10 @@ Loaded by :func:`ray_forge.config.load_config` from ``jobs/configs/*.yaml``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+POOL_LABEL = "ray_forge/pool"
+"""The node label whose value says which pool a node serves (``cluster.pool_labels``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,59 +169,16 @@ class BufferConfig:
     """How many times an episode may be handed out for training (1 = never twice)."""
     capacity_games: int = 65536
     """Oldest episodes are dropped beyond this."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CodeEnvConfig:
-    """The code env (``env.name: code``): the model writes Python, tests give the reward."""
-
-    tasks: str = ""
-    """A JSONL file of tasks (see ``envs/code/tasks.py``); empty: the bundled set."""
-    backend: Literal["local", "together"] = "local"
-    """local: the sandbox on the env actor's node; together: Together's Code Interpreter
-    (TOGETHER_API_KEY from the environment or a Kubernetes Secret)."""
-    concurrency: int = 2
-    """Executions at once per env actor (sandbox interpreters, or requests in flight)."""
-    wall_s: float = 10.0
-    """Wall-clock limit of one execution; past it the program is killed (error "timeout")."""
-    cpu_s: float = 5.0
-    """CPU-time limit of one execution (RLIMIT_CPU)."""
-    memory_mb: int = 512
-    """Memory one execution may add to its interpreter (RLIMIT_AS)."""
-    output_kb: int = 64
-    """Output one execution may write, stdout and stderr each; writing more ends it as an error."""
-    disk_mb: int = 64
-    """Size of each execution's private, memory-backed /tmp."""
-    isolation: Literal["full", "none"] = "full"
-    """local backend: full (namespaces, read-only root, seccomp, limits; the sandbox refuses to
-    start where the kernel or container cannot give it, saying what is missing) or none (limits
-    only: executed code can do what the env actor's user can; a developer's own machine only)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class OpenEnvConfig:
-    """An OpenEnv environment server (``env.name: openenv``), one WebSocket session per game."""
-
-    url: str = ""
-    """The server's base URL, e.g. http://127.0.0.1:8000 (ws:// also accepted)."""
-    codec: Literal["text", "openspiel_blackjack"] = "text"
-    """How observations become prompts and completions become actions. text: a ray_forge env
-    served by ``envs/openenv_server.py``; openspiel_blackjack: OpenEnv's OpenSpiel BlackJack."""
-    kind: Literal["blackjack", "code"] = "blackjack"
-    """What the server plays, for the job's evaluation and a tiny model's tokenizer: BlackJack
-    (OpenSpiel's, or ray_forge's served) or the coding and math tasks."""
-    concurrency: int = 8
-    """Games stepped at once per env actor (each game is its own session on the server)."""
-    connect_timeout_s: float = 10.0
-    """Longest wait for a game's WebSocket session to open."""
-    message_timeout_s: float = 60.0
-    """Longest wait for one reset or step answer."""
+    num_cpus: float = 0.0
+    """CPUs the buffer actor reserves. It runs on the driver's node, in no pool: it writes its
+    part of each checkpoint into the run directory."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class EnvConfig:
-    name: str = "blackjack"
-    """Which env the pool plays (``envs/registry.py``): blackjack, code or openenv."""
+    name: str = ""
+    """Which registered env the pool plays (``envs/registry.py``): blackjack, code, openenv, or your
+    own. Every job config names one."""
     num_actors: int = 1
     """Env actors ``env-<i>``, each stepping many games at once."""
     resources: Resources = field(default_factory=lambda: Resources(pool="cpu", num_cpus=0.5))
@@ -232,17 +192,10 @@ class EnvConfig:
     max_restarts: int = 20
     """Times Ray restarts a dead env actor (over the whole run); its games in flight are replayed
     from their seeds on a live one."""
-    code: CodeEnvConfig = field(default_factory=CodeEnvConfig)
-    """The code env's own settings (read when ``name`` is code)."""
-    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
-    """The OpenEnv server's settings (read when ``name`` is openenv)."""
-
-    def options(self) -> dict | None:
-        """The named env's own section (``env.code``, ``env.openenv``) as a dict; None if it has none."""
-        from dataclasses import asdict, is_dataclass
-
-        section = getattr(self, self.name, None)
-        return asdict(section) if is_dataclass(section) else None
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each env's own settings, under its name (``env.options.blackjack.mc_games``,
+    ``env.options.code.limits.wall_s``); ``name``'s are used. Every section is checked against its
+    env's options dataclass when the job starts, so a typo fails there, used or not."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,7 +242,7 @@ class WeightSyncConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    name: str = "blackjack"
+    name: str = "grpo"
     """Name of the run; its directory is ``<output_dir>/<name>-<timestamp>``."""
     output_dir: str = "runs"
     """Run directories are created under this folder, ``<output_dir>/<name>-<timestamp>``."""
@@ -298,9 +251,7 @@ class RunConfig:
     seed: int = 0
     """Seeds the deals of every group, the engines' sampling and the sync checks' prompts."""
     eval_every: int = 10
-    """Exact evaluation of the greedy policy every N steps (0: only at the end)."""
-    eval_mc_games: int = 20000
-    """Monte-Carlo games in the final evaluation (a cross-check of the exact value)."""
+    """The env's evaluation of the greedy policy every N steps (0: only at the end)."""
     keep_best: bool = False
     """Save the best-evaluated policy as well as the final one (the final is always saved)."""
     progress: bool = True
@@ -354,16 +305,18 @@ class JobConfig:
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """Deliberate kills of actors, to rehearse faults."""
 
-    def roles(self) -> dict[str, list[Resources]]:
-        """The resources of every actor the job places, by role (the reference only with KL)."""
-        roles = {
-            "policy": [self.policy.resources] * self.policy.num_replicas,
-            "trainer": [self.trainer.resources] * self.trainer.num_ranks,
-            "env": [self.env.resources] * self.env.num_actors,
-        }
+    def pools(self) -> dict[str, list[tuple[str, Resources]]]:
+        """Every actor the job places, as (role, resources), grouped by pool in placement order
+        (the reference only with KL). The buffer runs on the driver's node, in no pool."""
+        roles = [("policy", self.policy.resources, self.policy.num_replicas),
+                 ("trainer", self.trainer.resources, self.trainer.num_ranks),
+                 ("env", self.env.resources, self.env.num_actors)]
         if self.grpo.kl_coef > 0:
-            roles["reference"] = [self.reference.resources]
-        return roles
+            roles.append(("reference", self.reference.resources, 1))
+        pools: dict[str, list[tuple[str, Resources]]] = {}
+        for role, resources, count in roles:
+            pools.setdefault(resources.pool, []).extend([(role, resources)] * count)
+        return pools
 
     def __post_init__(self) -> None:
         from ray_forge.config import ConfigError
@@ -400,7 +353,7 @@ class JobConfig:
 
 
 _AT_LEAST = {
-    "run.steps": 1, "run.eval_every": 0, "run.eval_mc_games": 0, "run.checkpoint_every": 0, "run.keep_checkpoints": 1,
+    "run.steps": 1, "run.eval_every": 0, "run.checkpoint_every": 0, "run.keep_checkpoints": 1,
     "cluster.num_cpus": 1, "policy.num_replicas": 1, "policy.max_tokens": 1, "policy.max_model_len": 2,
     "policy.kv_cache_mb": 1, "policy.tensor_parallel_size": 1, "policy.temperature": 0.0, "policy.max_restarts": 0,
     "trainer.num_ranks": 1, "trainer.warmup_steps": 0, "trainer.weight_decay": 0.0, "trainer.micro_batch_size": 1,

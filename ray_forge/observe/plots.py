@@ -31,8 +31,10 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def learning_curve_png(rows: list[dict[str, Any]], path: str | Path, title: str = "",
-                       references: dict[str, float] | None = None) -> Path:
-    """Train reward (raw and smoothed) and evaluation return per step; agreement or loss below.
+                       references: dict[str, float] | None = None,
+                       below: tuple[str, str, tuple[float, float] | None] | None = None) -> Path:
+    """Train reward (raw and smoothed) and evaluation return per step; below, the loss, or the
+    metric ``below`` names: (its key in the rows, its axis label, its y limits or None).
 
     ``references`` draws labelled horizontal lines (e.g. the optimal policy's return)."""
     fig = figure()
@@ -49,11 +51,13 @@ def learning_curve_png(rows: list[dict[str, Any]], path: str | Path, title: str 
     top.set_ylabel("return per game")
     top.legend(loc="lower right")
     top.grid(alpha=0.3)
-    agreement = [(r["step"], r["eval_agreement"]) for r in rows if r.get("eval_agreement") is not None]
-    if agreement:
-        bottom.plot(*zip(*agreement), "o-", color="tab:purple", lw=2)
-        bottom.set_ylabel("agreement with optimal\n(reach-weighted)")
-        bottom.set_ylim(0, 1)
+    key, label, limits = below or (None, "", None)
+    points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    if points:
+        bottom.plot(*zip(*points), "o-", color="tab:purple", lw=2)
+        bottom.set_ylabel(label)
+        if limits:
+            bottom.set_ylim(*limits)
     else:
         bottom.plot(steps, [r.get("loss", np.nan) for r in rows], color="tab:red")
         bottom.set_ylabel("loss")

@@ -68,7 +68,7 @@ class StoreSpec:
 
     @property
     def controller_name(self) -> str:
-        return f"ray_forge_weights:{self.name}"
+        return controller_name(self.name)
 
     @property
     def pushes(self) -> bool:
@@ -132,6 +132,11 @@ class Manifest:
             for part, buckets in zip(self.parts, held):
                 if group in buckets:
                     yield part, buckets[group]
+
+
+def controller_name(store_name: str) -> str:
+    """The named actor that keeps a store's versions (found again by a restarted engine)."""
+    return f"ray_forge_weights:{store_name}"
 
 
 def version_key(version: int) -> str:

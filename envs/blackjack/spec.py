@@ -1,0 +1,48 @@
+"""BlackJack as a plugin: its options (``env.options``), the envs it makes, its tokenizer texts,
+its exact evaluation and its pictures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from envs.blackjack.env import BlackjackTextEnv, render_state
+from envs.blackjack.exact import all_states
+from envs.blackjack.plots import reference_returns, run_pictures
+from envs.blackjack.policy_eval import evaluate as evaluate_policy
+from ray_forge.core.env import Decide, EnvSpec, MakeEnv
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlackjackOptions:
+    """BlackJack (``env.name: blackjack``): gymnasium's Blackjack-v1, the cards shown in each prompt."""
+
+    mc_games: int = 20000
+    """Monte-Carlo games in the final evaluation, a cross-check of the exact return (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.mc_games < 0:
+            from ray_forge.config import ConfigError
+
+            raise ConfigError(f"env.options.mc_games = {self.mc_games} is out of range: it must be >= 0")
+
+
+def make_envs(options: BlackjackOptions, invalid_action_penalty: float) -> MakeEnv:
+    return lambda: BlackjackTextEnv(invalid_action_penalty=invalid_action_penalty)
+
+
+def evaluate(options: BlackjackOptions, decide: Decide, make_env: MakeEnv, *, invalid_action_penalty: float,
+             final: bool) -> tuple[dict[str, float], dict]:
+    """The exact return of the greedy decision table (and, at the end, a Monte-Carlo cross-check);
+    an unreadable answer is worth the run's penalty, as in training."""
+    result = evaluate_policy(decide, mc_games=options.mc_games if final else 0,
+                             invalid_action_penalty=invalid_action_penalty)
+    metrics = {"return": result["exact_return"], "agreement": result["agreement"],
+               "invalid_rate": result["invalid_rate"]}
+    return metrics, result
+
+
+SPEC = EnvSpec(name="blackjack", options=BlackjackOptions, factory=make_envs,
+               corpus=lambda options: BlackjackTextEnv.corpus(),
+               probe_prompts=lambda options: [render_state(s) for s in all_states()],
+               evaluate=evaluate, pictures=lambda options, run_dir, rows, final: run_pictures(run_dir, rows, final),
+               references=lambda options: reference_returns())

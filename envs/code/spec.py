@@ -1,0 +1,93 @@
+"""The code env as a plugin: its options (``env.options``), the envs it makes, its tokenizer
+texts, its greedy evaluation and its pictures."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from envs.code.env import CodeEnv, show
+from envs.code.sandbox import Limits, LocalSandbox
+from envs.code.tasks import BUNDLED, load_tasks
+from ray_forge.core.env import Decide, EnvSpec, MakeEnv, play_greedy
+from ray_forge.observe.plots import learning_curve_png
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodeOptions:
+    """The code env (``env.name: code``): the model writes Python, tests give the reward."""
+
+    tasks: str = ""
+    """A JSONL file of tasks (see ``envs/code/tasks.py``); empty: the bundled set."""
+    backend: Literal["local", "together"] = "local"
+    """local: the sandbox on the env actor's node; together: Together's Code Interpreter
+    (TOGETHER_API_KEY from the environment or a Kubernetes Secret)."""
+    concurrency: int = 2
+    """Executions at once per env actor (sandbox interpreters, or requests in flight)."""
+    isolation: Literal["full", "none"] = "full"
+    """local backend: full (namespaces, read-only root, seccomp, limits; the sandbox refuses to
+    start where the kernel or container cannot give it, saying what is missing) or none (limits
+    only: executed code can do what the env actor's user can; a developer's own machine only)."""
+    limits: Limits = field(default_factory=Limits)
+    """What one execution may use (``envs/code/sandbox.py``); Together's interpreter gets
+    ``limits.wall_s`` plus 30 s per request."""
+
+
+def make_envs(options: CodeOptions, invalid_action_penalty: float) -> MakeEnv:
+    """A maker of CodeEnvs: local ones share one sandbox pool (``concurrency`` interpreters, which
+    refuses to start without the ``isolation`` asked for); Together ones each get their own client,
+    so each episode has its own session."""
+    tasks = load_tasks(options.tasks or BUNDLED)
+    if options.backend == "together":
+        from envs.code.together_interpreter import TogetherCodeInterpreter
+
+        return lambda: CodeEnv(tasks, TogetherCodeInterpreter(timeout_s=options.limits.wall_s + 30))
+    sandbox = LocalSandbox(size=options.concurrency, limits=options.limits, isolation=options.isolation)
+    return lambda: CodeEnv(tasks, sandbox)
+
+
+def prompts(options: CodeOptions) -> list[str]:
+    """Every task's prompt, as the env shows it (showing one runs nothing)."""
+    return [show(task) for task in load_tasks(options.tasks or BUNDLED)]
+
+
+def corpus(options: CodeOptions) -> list[str]:
+    """The prompts, and the tests written as Python (``gcd(12, 18) == 6``)."""
+    tests = [f"{task.entry_point}({', '.join(map(repr, call.args))}) == {call.expected!r}"
+             for task in load_tasks(options.tasks or BUNDLED) for call in task.tests]
+    return prompts(options) + tests
+
+
+def evaluate(options: CodeOptions, decide: Decide, make_env: MakeEnv, *, invalid_action_penalty: float,
+             final: bool) -> tuple[dict[str, float], dict]:
+    """The greedy completion for every task (seed ``i`` shows task ``i``), scored by ``make_env``'s
+    executor as in training. Metrics: ``return`` (mean reward) and ``solved`` (share of tasks with
+    reward 1), the same per task kind (``code_return``, ``math_solved``, ...); the result adds
+    the count of each error and ``tasks``, one row per task with its reward, error and completion."""
+    tasks = load_tasks(options.tasks or BUNDLED)
+    played = play_greedy(make_env, decide, list(range(len(tasks))), max_turns=1, penalty=invalid_action_penalty,
+                         threads=options.concurrency)
+    rows = [dict(id=task.id, kind=task.kind, reward=reward, error=error, completion=text)
+            for task, (reward, error, text) in zip(tasks, played, strict=True)]
+    metrics = {}
+    for kind in [None, *sorted({row["kind"] for row in rows})]:
+        chosen = [row for row in rows if kind in (None, row["kind"])]
+        prefix = f"{kind}_" if kind else ""
+        metrics[f"{prefix}return"] = sum(row["reward"] for row in chosen) / len(chosen)
+        metrics[f"{prefix}solved"] = sum(row["reward"] == 1.0 for row in chosen) / len(chosen)
+    errors = dict(Counter(row["error"] for row in rows if row["error"] is not None))
+    return metrics, dict(metrics, errors=errors, tasks=rows)
+
+
+def pictures(options: CodeOptions, run_dir: Path, rows: list[dict], final: dict) -> list[Path]:
+    return [learning_curve_png(rows, Path(run_dir) / "learning_curve.png", "coding and math tasks")]
+
+
+def concurrency(options: CodeOptions) -> int:
+    return options.concurrency
+
+
+SPEC = EnvSpec(name="code", options=CodeOptions, factory=make_envs, corpus=corpus, probe_prompts=prompts,
+               evaluate=evaluate, pictures=pictures, concurrency=concurrency)
