@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, Literal, Protocol
 
 from envs.blackjack import ACTION_WORDS, State, parse_action, render_state
 from envs.blackjack.env import outcome_text
-from ray_forge.config import ConfigError
-from ray_forge.core.env import Decide, EnvSetup, EnvSpec, MakeEnv, StepResult, TextEnv
+from ray_forge.core.env import EnvMaker, EnvSpec, StepResult, TextEnv
 
 
 class OpenEnvError(RuntimeError):
@@ -128,11 +127,9 @@ class _SessionLoop:
 class OpenEnvTextEnv(TextEnv):
     """One OpenEnv session, reused across episodes (the server resets it in place)."""
 
-    def __init__(self, options: OpenEnvOptions, invalid_action_penalty: float = -1.0) -> None:
+    def __init__(self, options: OpenEnvOptions, invalid_action_penalty: float) -> None:
         from openenv.core import GenericEnvClient
 
-        if not options.url:
-            raise ValueError("env.options.openenv.url is empty: give the OpenEnv server's URL, e.g. http://127.0.0.1:8000")
         self.url, self.codec, self.penalty = options.url, CODECS[options.codec](), invalid_action_penalty
         self._client = GenericEnvClient(base_url=options.url, connect_timeout_s=options.connect_timeout_s,
                                         message_timeout_s=options.message_timeout_s)
@@ -201,10 +198,9 @@ class OpenEnvOptions:
     """How observations become prompts and completions become actions. text: a ray_forge env
     served by ``envs/openenv_server.py``; openspiel_blackjack: OpenEnv's OpenSpiel BlackJack."""
     kind: str = "blackjack"
-    """The registered env the server plays (``envs/registry.py``): its evaluation, probe prompts,
-    pictures and a tiny model's tokenizer texts are the job's (OpenSpiel's BlackJack is blackjack)."""
-    kind_options: dict[str, Any] = field(default_factory=dict)
-    """That env's own options, for its evaluation and texts (e.g. ``mc_games`` for blackjack)."""
+    """The registered env the server plays (``envs/registry.py``): the job uses its evaluation,
+    probe prompts, pictures and tokenizer texts, with its own options (``env.options.<kind>``);
+    OpenSpiel's BlackJack is blackjack."""
     concurrency: int = 8
     """Games stepped at once per env actor (each game is its own session on the server)."""
     connect_timeout_s: float = 10.0
@@ -213,29 +209,10 @@ class OpenEnvOptions:
     """Longest wait for one reset or step answer."""
 
     def __post_init__(self) -> None:
-        self.played()  # an unknown kind or a bad option of it fails when the config is read
-
-    def played(self) -> EnvSetup:
-        """The env the server plays, as set up here (checked like any config section)."""
-        from envs.registry import get
-
-        if self.kind == "openenv":
-            raise ConfigError("env.options.openenv.kind: an OpenEnv server plays an env, not another server")
-        return get(self.kind, "env.options.openenv.kind").setup(self.kind_options, "env.options.openenv.kind_options")
+        if not self.url:
+            raise ValueError("url is empty: give the OpenEnv server's URL, e.g. http://127.0.0.1:8000")
 
 
-def evaluate(options: OpenEnvOptions, decide: Decide, make_env: MakeEnv, *, invalid_action_penalty: float,
-             final: bool) -> tuple[dict[str, float], dict]:
-    """The played env's own evaluation, its games played on the server."""
-    return options.played().evaluate(decide, make_env, invalid_action_penalty=invalid_action_penalty, final=final)
-
-
-SPEC = EnvSpec(
-    name="openenv", options=OpenEnvOptions,
-    factory=lambda options, penalty: lambda: OpenEnvTextEnv(options, penalty),
-    corpus=lambda options: options.played().corpus(),
-    probe_prompts=lambda options: options.played().probe_prompts(),
-    evaluate=evaluate,
-    pictures=lambda options, run_dir, rows, final: options.played().pictures(run_dir, rows, final),
-    concurrency=lambda options: options.concurrency,
-    references=lambda options: options.played().references())
+SPEC = EnvSpec(name="openenv", options=OpenEnvOptions,
+               factory=lambda options, penalty: EnvMaker(lambda: OpenEnvTextEnv(options, penalty)),
+               plays=lambda options: options.kind, concurrency=lambda options: options.concurrency)

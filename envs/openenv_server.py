@@ -23,7 +23,10 @@ from pydantic import Field
 
 from envs.registry import SPECS, get
 from ray_forge.config import load_config
+from ray_forge.config.schema import EnvConfig
 from ray_forge.core.env import EnvSetup, TextEnv
+
+DEFAULT_PENALTY = EnvConfig().invalid_action_penalty
 
 
 class TextAction(Action):
@@ -74,7 +77,7 @@ class TextEnvironment(Environment[TextAction, TextObservation, TextEnvState]):
         return self._state
 
 
-def create_server_app(env: EnvSetup, invalid_action_penalty: float = -1.0, max_sessions: int = 64):
+def create_server_app(env: EnvSetup, invalid_action_penalty: float = DEFAULT_PENALTY, max_sessions: int = 64):
     """The FastAPI app: ``/ws`` sessions, plus OpenEnv's ``/reset``, ``/step``, ``/health``, ``/schema``."""
     if env.spec.name == "openenv":
         raise ValueError("env openenv is a client of another server; serve an env that plays itself")
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env", default="blackjack", help=f"a registered env ({', '.join(SPECS)})")
-    parser.add_argument("--invalid-action-penalty", type=float, default=-1.0,
+    parser.add_argument("--invalid-action-penalty", type=float, default=DEFAULT_PENALTY,
                         help="reward of a game ended by an unreadable answer (a job's env.invalid_action_penalty)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

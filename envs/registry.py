@@ -31,8 +31,16 @@ def get(name: str, key: str = "env.name") -> EnvSpec:
 
 
 def setup(env: EnvConfig) -> EnvSetup:
-    """The run's env (``env.name``) with its options; every section of ``env.options`` must name
-    a registered env and be valid for it."""
+    """The run's env (``env.name``) with its options, and the env it plays if it plays another's
+    games; every section of ``env.options`` must name a registered env and be valid for it."""
     for name, options in env.options.items():
-        get(name, f"env.options.{name}").setup(options, f"env.options.{name}")
-    return get(env.name).setup(env.options.get(env.name, {}), f"env.options.{env.name}")
+        get(name, f"env.options.{name}").setup(options)
+    spec = get(env.name)
+    options = spec.setup(env.options.get(env.name, {})).options
+    played = None
+    if spec.plays is not None:
+        name = spec.plays(options)
+        if name == spec.name or get(name, f"{spec.key}: it plays").plays is not None:
+            raise ConfigError(f"{spec.key}: it plays {name!r}, which plays no games of its own")
+        played = get(name).setup(env.options.get(name, {}))
+    return EnvSetup(spec, options, played)

@@ -23,10 +23,9 @@ from pathlib import Path
 
 from envs.blackjack import ACTION_WORDS, DEFAULT_PENALTY, evaluate
 from ray_forge.actors.policy import VLLMPolicy
-from ray_forge.config import load_config
-from ray_forge.config.schema import JobConfig, PolicyConfig
+from ray_forge.config.schema import PolicyConfig
 from ray_forge.models.tiny import check_model_dir
-from ray_forge.run.directory import CONFIG_FILE
+from ray_forge.run.directory import CONFIG_FILE, load_run_config
 
 log = logging.getLogger("eval_blackjack")
 
@@ -39,7 +38,7 @@ def run_penalty(model_dir: Path) -> float | None:
     config_file = model_dir.parent / CONFIG_FILE
     if not config_file.is_file():
         return None
-    return load_config(JobConfig, config_file).env.invalid_action_penalty
+    return load_run_config(model_dir.parent).env.invalid_action_penalty
 
 
 def main(argv: list[str] | None = None) -> dict:

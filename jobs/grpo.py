@@ -478,7 +478,9 @@ def main(argv: list[str] | None = None) -> dict:
         summary = asyncio.run(run_job(run, env, model_dir, progress, buffer_state, wall))
     except RUN_FAULTS as err:
         raise RunStopped(f"{err}; resume with: python jobs/grpo.py --resume {run.run_dir}") from err
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("decisions", "invalid_states", "tasks")}))
+    # One line: the numbers and the run's own lists; an env's per-state or per-task ones stay in eval.json.
+    print(json.dumps({k: v for k, v in summary.items()
+                      if not isinstance(v, (list, dict)) or k in ("pictures", "policy_versions")}))
     return summary
 
 

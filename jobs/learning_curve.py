@@ -16,11 +16,10 @@ import json
 from pathlib import Path
 
 from envs import registry
-from ray_forge.config import load_config
-from ray_forge.config.schema import JobConfig
+from ray_forge.config import ConfigError
 from ray_forge.core.env import EnvSetup
 from ray_forge.observe.metrics import read_metrics
-from ray_forge.run.directory import CONFIG_FILE, FINISHED_FILE
+from ray_forge.run.directory import FINISHED_FILE, load_run_config
 
 PREFIX = "eval_"
 NOT_SHOWN = ("eval_policy_version", "eval_s")
@@ -28,8 +27,7 @@ NOT_SHOWN = ("eval_policy_version", "eval_s")
 
 def run_env(run_dir: Path) -> EnvSetup:
     """The env a run played, from the config it kept."""
-    config = load_config(JobConfig, run_dir / CONFIG_FILE)
-    return registry.setup(config.env)
+    return registry.setup(load_run_config(run_dir).env)
 
 
 def curve_table(run_dir: Path) -> str:
@@ -49,8 +47,9 @@ def curve_table(run_dir: Path) -> str:
     final = run_dir / FINISHED_FILE
     if final.is_file():
         result = json.loads(final.read_text())
-        shown = ", ".join(f"{k[len(PREFIX):]} **{v:.4f}**" for k, v in result.items()
-                          if k.startswith(PREFIX) and k not in NOT_SHOWN and isinstance(v, float))
+        numbers = {k: v for k, v in result.items() if isinstance(v, float) and k not in NOT_SHOWN}
+        logged = {k[len(PREFIX):]: v for k, v in numbers.items() if k.startswith(PREFIX)}
+        shown = ", ".join(f"{k} **{v:.4f}**" for k, v in (logged or numbers).items())  # older runs logged none
         lines += ["", f"Final policy: {shown}."]
     return "\n".join(lines)
 
@@ -76,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     labels = args.labels or [d.name for d in dirs]
     if len(labels) != len(dirs):
         parser.error(f"{len(dirs)} runs but {len(labels)} labels")
-    env = run_env(args.run_dir)
+    if args.time_png or args.png:
+        try:
+            env = run_env(args.run_dir)
+        except ConfigError as err:
+            parser.error(str(err))
     if args.time_png:
         from ray_forge.observe.plots import returns_against_time_png
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_forge.core.env import EnvSpec, StepResult, TextEnv, play_greedy
+from ray_forge.core.env import EnvMaker, EnvSpec, StepResult, TextEnv, play_greedy
 
 WORDS = ("LEFT", "RIGHT")
 
@@ -45,9 +45,8 @@ def evaluate(options: LightOptions, decide, make_env, *, invalid_action_penalty:
 SPEC = EnvSpec(
     name="light",
     options=LightOptions,
-    factory=lambda options, penalty: lambda: LightEnv(options, penalty),
+    factory=lambda options, penalty: EnvMaker(lambda: LightEnv(options, penalty)),
     corpus=lambda options: [LightEnv(options, 0.0).reset(seed) for seed in (0, 1)] + list(WORDS),
     probe_prompts=lambda options: [LightEnv(options, 0.0).reset(seed) for seed in (0, 1)],
     evaluate=evaluate,
-    pictures=lambda options, run_dir, rows, final: [],
 )

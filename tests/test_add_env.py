@@ -37,6 +37,14 @@ def test_its_options_are_checked_like_any_config_section(light):
         registry.register(type(light)(**{**light.__dict__, "corpus": lambda options: []}))
 
 
+def test_the_readme_shows_this_very_env():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Add your own env"):]
+    shown = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    source = (ROOT / "tests" / "light_env.py").read_text()
+    assert source.endswith(shown) and shown.startswith("from dataclasses import dataclass")
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm

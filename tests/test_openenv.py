@@ -155,24 +155,31 @@ def test_adapter_penalises_text_that_is_no_action_and_plays_on(openspiel_url):
 
 def test_unreachable_or_silent_servers_fail_fast_and_clearly():
     env = OpenEnvTextEnv(OpenEnvOptions(url=f"http://127.0.0.1:{free_port()}", codec="openspiel_blackjack",
-                                        connect_timeout_s=2))
+                                        connect_timeout_s=2), invalid_action_penalty=-1.0)
     with pytest.raises(OpenEnvError, match="reset failed"):
         env.reset(0)
     with socket.socket() as silent:  # accepts connections, never answers the handshake
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         env = OpenEnvTextEnv(OpenEnvOptions(url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-                                            codec="openspiel_blackjack", connect_timeout_s=1, message_timeout_s=1))
+                                            codec="openspiel_blackjack", connect_timeout_s=1, message_timeout_s=1),
+                             invalid_action_penalty=-1.0)
         start = time.monotonic()
         with pytest.raises(OpenEnvError, match="127.0.0.1"):
             env.reset(0)
         assert time.monotonic() - start < 10
-    with pytest.raises(ValueError, match="env.options.openenv.url is empty"):
-        OpenEnvTextEnv(OpenEnvOptions(url=""))
+    with pytest.raises(ConfigError, match="env.options.openenv: url is empty"):
+        registry.get("openenv").setup({})
     with pytest.raises(ConfigError, match="env.options.openenv.codec: 'chess' is not one of"):
-        registry.get("openenv").setup({"url": "http://127.0.0.1:1", "codec": "chess"}, "env.options.openenv")
+        registry.get("openenv").setup({"url": "http://127.0.0.1:1", "codec": "chess"})
     with pytest.raises(ConfigError, match="no env named 'chess'"):
-        registry.get("openenv").setup({"url": "http://127.0.0.1:1", "kind": "chess"}, "env.options.openenv")
+        registry.setup(EnvConfig(name="openenv", options={"openenv": {"url": "http://127.0.0.1:1", "kind": "chess"}}))
+    with pytest.raises(ConfigError, match="plays no games of its own"):
+        registry.setup(EnvConfig(name="openenv", options={"openenv": {"url": "http://127.0.0.1:1", "kind": "openenv"}}))
+    # What the server plays is evaluated as that env, with that env's own options.
+    played = registry.setup(EnvConfig(name="openenv", options={"openenv": {"url": "http://127.0.0.1:1"},
+                                                               "blackjack": {"mc_games": 7}}))
+    assert played.played.options.mc_games == 7 and played.probe_prompts()[0].endswith("HIT or STICK?")
 
 
 def test_a_server_dying_mid_game_ends_that_game_with_a_reason():
@@ -257,7 +264,7 @@ def test_grpo_job_trains_against_an_openenv_server(openspiel_url, ray_cluster, t
     summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",
                          "env.name=openenv", f"env.options.openenv.url={openspiel_url}",
                          "env.options.openenv.codec=openspiel_blackjack",
-                         "run.steps=2", "run.eval_every=2", "env.options.openenv.kind_options.mc_games=200",
+                         "run.steps=2", "run.eval_every=2", "env.options.blackjack.mc_games=200",
                              "grpo.games_per_step=64",
                          "run.progress=false", "model.tiny.num_layers=2", "cluster.include_dashboard=false",
                          "policy.kv_cache_mb=64"])

@@ -12,10 +12,11 @@ from typing import NamedTuple
 
 import gymnasium as gym
 
+from ray_forge.config.schema import EnvConfig
 from ray_forge.core.env import StepResult, TextEnv
 
 ACTION_WORDS = ("HIT", "STICK")
-DEFAULT_PENALTY = -1.0
+DEFAULT_PENALTY = EnvConfig().invalid_action_penalty
 """Reward of a game ended by an unparseable answer, unless the run's ``env.invalid_action_penalty`` says otherwise."""
 _ACTIONS = {"hit": 1, "stick": 0, "stand": 0}
 _SURROUNDING = string.punctuation + "\u201c\u201d\u2018\u2019\u00ab\u00bb"  # ASCII and typographic quotes

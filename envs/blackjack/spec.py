@@ -9,7 +9,7 @@ from envs.blackjack.env import BlackjackTextEnv, render_state
 from envs.blackjack.exact import all_states
 from envs.blackjack.plots import reference_returns, run_pictures
 from envs.blackjack.policy_eval import evaluate as evaluate_policy
-from ray_forge.core.env import Decide, EnvSpec, MakeEnv
+from ray_forge.core.env import Decide, EnvMaker, EnvSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,16 +21,14 @@ class BlackjackOptions:
 
     def __post_init__(self) -> None:
         if self.mc_games < 0:
-            from ray_forge.config import ConfigError
-
-            raise ConfigError(f"env.options.mc_games = {self.mc_games} is out of range: it must be >= 0")
+            raise ValueError(f"mc_games = {self.mc_games} is out of range: it must be >= 0")
 
 
-def make_envs(options: BlackjackOptions, invalid_action_penalty: float) -> MakeEnv:
-    return lambda: BlackjackTextEnv(invalid_action_penalty=invalid_action_penalty)
+def make_envs(options: BlackjackOptions, invalid_action_penalty: float) -> EnvMaker:
+    return EnvMaker(lambda: BlackjackTextEnv(invalid_action_penalty=invalid_action_penalty))
 
 
-def evaluate(options: BlackjackOptions, decide: Decide, make_env: MakeEnv, *, invalid_action_penalty: float,
+def evaluate(options: BlackjackOptions, decide: Decide, make_env: EnvMaker, *, invalid_action_penalty: float,
              final: bool) -> tuple[dict[str, float], dict]:
     """The exact return of the greedy decision table (and, at the end, a Monte-Carlo cross-check);
     an unreadable answer is worth the run's penalty, as in training."""

@@ -10,8 +10,8 @@ from typing import Literal
 
 from envs.code.env import CodeEnv, show
 from envs.code.sandbox import Limits, LocalSandbox
-from envs.code.tasks import BUNDLED, load_tasks
-from ray_forge.core.env import Decide, EnvSpec, MakeEnv, play_greedy
+from envs.code.tasks import BUNDLED, Task, load_tasks
+from ray_forge.core.env import Decide, EnvMaker, EnvSpec, play_greedy
 from ray_forge.observe.plots import learning_curve_png
 
 
@@ -34,39 +34,50 @@ class CodeOptions:
     """What one execution may use (``envs/code/sandbox.py``); Together's interpreter gets
     ``limits.wall_s`` plus 30 s per request."""
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.concurrency <= 16:
+            raise ValueError(f"concurrency = {self.concurrency} is out of range: a sandbox has 1 to 16 interpreters")
+        for name, value in vars(self.limits).items():
+            if not value > 0:
+                raise ValueError(f"limits.{name} = {value!r} is out of range: it must be > 0")
 
-def make_envs(options: CodeOptions, invalid_action_penalty: float) -> MakeEnv:
+    def task_list(self) -> list[Task]:
+        """The tasks: the file in ``tasks``, or the bundled set."""
+        return load_tasks(self.tasks or BUNDLED)
+
+
+def make_envs(options: CodeOptions, invalid_action_penalty: float) -> EnvMaker:
     """A maker of CodeEnvs: local ones share one sandbox pool (``concurrency`` interpreters, which
     refuses to start without the ``isolation`` asked for); Together ones each get their own client,
     so each episode has its own session."""
-    tasks = load_tasks(options.tasks or BUNDLED)
+    tasks = options.task_list()
     if options.backend == "together":
         from envs.code.together_interpreter import TogetherCodeInterpreter
 
-        return lambda: CodeEnv(tasks, TogetherCodeInterpreter(timeout_s=options.limits.wall_s + 30))
+        return EnvMaker(lambda: CodeEnv(tasks, TogetherCodeInterpreter(timeout_s=options.limits.wall_s + 30)))
     sandbox = LocalSandbox(size=options.concurrency, limits=options.limits, isolation=options.isolation)
-    return lambda: CodeEnv(tasks, sandbox)
+    return EnvMaker(lambda: CodeEnv(tasks, sandbox), sandbox.close)
 
 
 def prompts(options: CodeOptions) -> list[str]:
     """Every task's prompt, as the env shows it (showing one runs nothing)."""
-    return [show(task) for task in load_tasks(options.tasks or BUNDLED)]
+    return [show(task) for task in options.task_list()]
 
 
 def corpus(options: CodeOptions) -> list[str]:
     """The prompts, and the tests written as Python (``gcd(12, 18) == 6``)."""
     tests = [f"{task.entry_point}({', '.join(map(repr, call.args))}) == {call.expected!r}"
-             for task in load_tasks(options.tasks or BUNDLED) for call in task.tests]
+             for task in options.task_list() for call in task.tests]
     return prompts(options) + tests
 
 
-def evaluate(options: CodeOptions, decide: Decide, make_env: MakeEnv, *, invalid_action_penalty: float,
+def evaluate(options: CodeOptions, decide: Decide, make_env: EnvMaker, *, invalid_action_penalty: float,
              final: bool) -> tuple[dict[str, float], dict]:
     """The greedy completion for every task (seed ``i`` shows task ``i``), scored by ``make_env``'s
     executor as in training. Metrics: ``return`` (mean reward) and ``solved`` (share of tasks with
     reward 1), the same per task kind (``code_return``, ``math_solved``, ...); the result adds
     the count of each error and ``tasks``, one row per task with its reward, error and completion."""
-    tasks = load_tasks(options.tasks or BUNDLED)
+    tasks = options.task_list()
     played = play_greedy(make_env, decide, list(range(len(tasks))), max_turns=1, penalty=invalid_action_penalty,
                          threads=options.concurrency)
     rows = [dict(id=task.id, kind=task.kind, reward=reward, error=error, completion=text)

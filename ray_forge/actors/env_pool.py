@@ -124,6 +124,7 @@ class EnvPool:
         for env in self._free:
             env.close()
         self._free.clear()
+        self._make.close()
 
     def get_action_words(self) -> tuple[str, ...] | None:
         return self.action_words

@@ -56,7 +56,7 @@ class TitanTrainer:
         self.temperature = temperature
         self.device = device_type()
         self.version = 0
-        torch.set_num_threads(max(1, int(config.resources.num_cpus)))
+        torch.set_num_threads(config.resources.threads)
         self.model = self.adapter = self.optimizer = self.scheduler = None
         self.store: WeightStore | None = None
 

@@ -56,7 +56,9 @@ def from_dict(cls: type[T], raw: Any, prefix: str = "") -> T:
         kwargs[name] = _coerce(hints[name], value, _join(prefix, name))
     try:
         return cls(**kwargs)
-    except TypeError as err:  # a required field was not given
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:  # a required field was not given; a section's own check
         raise ConfigError(f"{prefix or 'config'}: {err}") from err
 
 

@@ -23,6 +23,11 @@ class Resources:
     num_gpus: float = 0.0
     """GPUs reserved for the actor's bundle (0 on CPU-only machines: CPU bundles stand in)."""
 
+    @property
+    def threads(self) -> int:
+        """Torch threads of an actor holding these CPUs (at least one)."""
+        return max(1, int(self.num_cpus))
+
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:

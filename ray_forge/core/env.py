@@ -46,7 +46,21 @@ class TextEnv(Protocol):
 O = TypeVar("O")
 Decide = Callable[[list[str]], list[str]]
 """Prompts in, the policy's greedy completions out, in order (an engine, an actor, a function)."""
-MakeEnv = Callable[[], TextEnv]
+
+
+class EnvMaker:
+    """What an env's factory returns: makes one env per call, and ``close`` stops what the envs
+    share (a sandbox pool), once, when the env actor shuts down."""
+
+    def __init__(self, make: Callable[[], TextEnv], close: Callable[[], None] | None = None) -> None:
+        self._make, self._close = make, close
+
+    def __call__(self) -> TextEnv:
+        return self._make()
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
 
 
 def _one_thread(options: Any) -> int:
@@ -57,80 +71,125 @@ def _no_references(options: Any) -> dict[str, float]:
     return {}
 
 
+def _no_pictures(options: Any, run_dir: Path, rows: list[dict], final: dict) -> list[Path]:
+    return []
+
+
 @dataclass(frozen=True)
 class EnvSpec(Generic[O]):
-    """Everything the library and the job know of one env. Every callable is Ray-free."""
+    """Everything the library and the job know of one env. Every callable is Ray-free.
+
+    An env that plays another registered env's games somewhere else (an OpenEnv server) names it
+    with ``plays`` instead of giving ``corpus``, ``probe_prompts`` and ``evaluate``: the job then
+    uses that env's, with its own options (``env.options.<that name>``)."""
 
     name: str
     """What ``env.name`` says to choose it."""
     options: type[O]
-    """Its own config section, ``env.options``: a frozen, keyword-only dataclass, every field documented."""
-    factory: Callable[[O, float], MakeEnv]
-    """(options, the run's invalid-action penalty) -> a maker of envs. Called once in each env
+    """Its own config section, ``env.options.<name>``: a frozen, keyword-only dataclass, every
+    field documented; a ``__post_init__`` that raises ValueError is reported under that key."""
+    factory: Callable[[O, float], EnvMaker]
+    """(options, the run's invalid-action penalty) -> an ``EnvMaker``. Called once in each env
     actor, where the envs live (it may start what they share, such as a sandbox pool)."""
-    corpus: Callable[[O], list[str]]
+    corpus: Callable[[O], list[str]] | None = None
     """Texts a tiny model's tokenizer is trained on (``model.path`` empty)."""
-    probe_prompts: Callable[[O], list[str]]
+    probe_prompts: Callable[[O], list[str]] | None = None
     """Prompts on which policy-0 and the trainer are compared after a sync."""
-    evaluate: Callable[..., tuple[dict[str, float], dict]]
+    evaluate: Callable[..., tuple[dict[str, float], dict]] | None = None
     """``evaluate(options, decide, make_env, invalid_action_penalty=..., final=...)``: the greedy
     policy ``decide`` scored on this env (``make_env`` is the env actor's own maker; ``final`` is
     the end-of-run evaluation, which may be longer). Returns its metrics (logged as
-    ``eval_<name>``; ``return`` is what ``run.keep_best`` maximises) and the whole result (the
-    run's ``eval.json``)."""
-    pictures: Callable[[O, Path, list[dict], dict], list[Path]]
+    ``eval_<name>``; ``return`` is what ``run.keep_best`` maximises, and must be there) and the
+    whole result (the run's ``eval.json``)."""
+    pictures: Callable[[O, Path, list[dict], dict], list[Path]] = _no_pictures
     """(options, run directory, metrics rows, final evaluation result) -> the PNGs written at the
     end of a run."""
     concurrency: Callable[[O], int] = _one_thread
     """Games an env actor steps at once, in threads (envs that wait on execution or a server)."""
     references: Callable[[O], dict[str, float]] = _no_references
     """Returns of known policies (``"optimal policy (exact)": -0.0466``), drawn as lines on plots."""
+    plays: Callable[[O], str] | None = None
+    """The registered env whose games this one plays elsewhere (its evaluation, texts and pictures
+    are used), or None for an env that is its own."""
 
-    def setup(self, options: dict, key: str = "env.options") -> EnvSetup:
-        """This env with ``options`` (the raw mapping at config ``key``), checked like any config section."""
+    def __post_init__(self) -> None:
+        own = (self.corpus, self.probe_prompts, self.evaluate)
+        if (self.plays is None) != all(f is not None for f in own):
+            raise ValueError(f"env spec {self.name!r}: give corpus, probe_prompts and evaluate, or plays")
+
+    @property
+    def key(self) -> str:
+        """Where its options sit in a job config."""
+        return f"env.options.{self.name}"
+
+    def setup(self, options: dict, played: EnvSetup | None = None) -> EnvSetup:
+        """This env with ``options`` (the raw mapping at ``key``), checked like any config section;
+        ``played`` is the env named by ``plays``, set up from its own section."""
         from ray_forge.config import from_dict
 
-        return EnvSetup(self, from_dict(self.options, options, key))
+        return EnvSetup(self, from_dict(self.options, options, self.key), played)
 
 
 @dataclass(frozen=True)
 class EnvSetup:
-    """One env as a run uses it: its spec and its checked options. Picklable: the env actors
-    receive it and build their envs from it."""
+    """One env as a run uses it: its spec, its checked options and, for an env that plays another's
+    games, that env's setup. Ray (cloudpickle) ships it to the env actors, which build their envs
+    from it; functions defined in a module travel by reference, lambdas by value."""
 
     spec: EnvSpec
     options: Any
+    played: EnvSetup | None = None
 
-    def make_env(self, invalid_action_penalty: float) -> MakeEnv:
+    @property
+    def _source(self) -> EnvSetup:
+        """Whose evaluation, texts and pictures these are."""
+        return self.played or self
+
+    def make_env(self, invalid_action_penalty: float) -> EnvMaker:
         return self.spec.factory(self.options, invalid_action_penalty)
 
     def corpus(self) -> list[str]:
-        return self.spec.corpus(self.options)
+        return self._source.spec.corpus(self._source.options)
 
     def probe_prompts(self) -> list[str]:
-        return self.spec.probe_prompts(self.options)
+        return self._source.spec.probe_prompts(self._source.options)
 
     def concurrency(self) -> int:
         return self.spec.concurrency(self.options)
 
-    def evaluate(self, decide: Decide, make_env: MakeEnv, *, invalid_action_penalty: float,
-                 final: bool) -> tuple[dict[str, float], dict]:
-        return self.spec.evaluate(self.options, decide, make_env, invalid_action_penalty=invalid_action_penalty,
-                                  final=final)
-
     def references(self) -> dict[str, float]:
-        return self.spec.references(self.options)
+        return self._source.spec.references(self._source.options)
+
+    def evaluate(self, decide: Decide, make_env: EnvMaker, *, invalid_action_penalty: float,
+                 final: bool) -> tuple[dict[str, float], dict]:
+        source = self._source
+        metrics, result = source.spec.evaluate(source.options, decide, make_env,
+                                               invalid_action_penalty=invalid_action_penalty, final=final)
+        if not isinstance(metrics.get("return"), float):
+            raise TypeError(f"env {source.spec.name!r}: its evaluation's metrics must hold a float 'return' "
+                            f"(what run.keep_best maximises); it gave {sorted(metrics)}")
+        return metrics, result
 
     def pictures(self, run_dir: Path, rows: list[dict], final: dict) -> list[Path]:
-        return self.spec.pictures(self.options, run_dir, rows, final)
+        return self._source.spec.pictures(self._source.options, run_dir, rows, final)
 
 
-def play_greedy(make_env: MakeEnv, decide: Decide, seeds: list[int], *, max_turns: int, penalty: float,
-                threads: int = 1) -> list[tuple[float, str | None, str]]:
+def play_greedy(make_env: Callable[[], TextEnv], decide: Decide, seeds: list[int], *, max_turns: int,
+                penalty: float, threads: int = 1) -> list[tuple[float, str | None, str]]:
     """Play one game per seed with ``decide``'s answers, every game's turn in one call of it.
     Returns (reward, error, the completions joined) per game; a game still running after
-    ``max_turns``, or whose env raised, ends with ``penalty``."""
+    ``max_turns``, or whose env raised, ends with ``penalty``. Every env is closed, also when
+    ``decide`` fails."""
     envs = [make_env() for _ in seeds]
+    try:
+        return _play(envs, decide, seeds, max_turns, penalty, threads)
+    finally:
+        for env in envs:
+            env.close()
+
+
+def _play(envs: list[TextEnv], decide: Decide, seeds: list[int], max_turns: int, penalty: float,
+          threads: int) -> list[tuple[float, str | None, str]]:
     rewards, errors, texts = [0.0] * len(seeds), [None] * len(seeds), [""] * len(seeds)
     live: dict[int, str] = {}
     for i, (env, seed) in enumerate(zip(envs, seeds, strict=True)):
@@ -138,19 +197,19 @@ def play_greedy(make_env: MakeEnv, decide: Decide, seeds: list[int], *, max_turn
             live[i] = env.reset(seed)
         except Exception as err:  # one game's failure must not end the evaluation
             rewards[i], errors[i] = penalty, f"env reset error: {err}"
+
+    def one(i: int, answer: str) -> StepResult:
+        try:
+            return envs[i].step(answer)
+        except Exception as err:
+            return StepResult("", penalty, True, {"error": f"env error: {err}"})
+
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for _ in range(max_turns):
             if not live:
                 break
             slots = list(live)
             answers = decide([live[i] for i in slots])
-
-            def one(i: int, answer: str) -> StepResult:
-                try:
-                    return envs[i].step(answer)
-                except Exception as err:
-                    return StepResult("", penalty, True, {"error": f"env error: {err}"})
-
             for i, answer, result in zip(slots, answers, pool.map(one, slots, answers), strict=True):
                 texts[i] += answer
                 rewards[i] += result.reward
@@ -161,6 +220,4 @@ def play_greedy(make_env: MakeEnv, decide: Decide, seeds: list[int], *, max_turn
                     live[i] = result.observation
     for i in live:
         rewards[i], errors[i] = penalty, f"still playing after {max_turns} turns"
-    for env in envs:
-        env.close()
     return [(rewards[i], errors[i], texts[i]) for i in range(len(seeds))]

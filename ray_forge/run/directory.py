@@ -43,13 +43,31 @@ def open_run(config_path: str, overrides: list[str], resume: str | None) -> Run:
         raise ConfigError(f"--resume {run_dir}: not a run directory (it has no {CONFIG_FILE})")
     # The run keeps its own config; command-line overrides (e.g. more run.steps) apply on top,
     # except those that would change what the checkpoint's batches and shards mean.
-    saved = load_config(JobConfig, run_dir / CONFIG_FILE)
-    config = load_config(JobConfig, run_dir / CONFIG_FILE, overrides)
+    saved = load_run_config(run_dir)
+    config = load_run_config(run_dir, overrides)
     for key in FIXED_ON_RESUME:
         if _get(saved, key) != _get(config, key):
             raise ConfigError(f"--resume {run_dir}: {key} cannot change on resume ({_get(saved, key)!r} -> "
                               f"{_get(config, key)!r}): the checkpoint's batches, seeds and shards depend on it")
     return Run(config, run_dir.resolve(), checkpoint.latest(run_dir), resumed=True)
+
+
+RENAMED = {"run.eval_mc_games": "env.options.blackjack.mc_games", "env.code": "env.options.code",
+           "env.openenv": "env.options.openenv"}
+"""Keys of configs written before envs were plugins, and where each went."""
+
+
+def load_run_config(run_dir: Path, overrides: list[str] = ()) -> JobConfig:
+    """The config a run kept; one written before a key moved fails saying where it went."""
+    try:
+        return load_config(JobConfig, run_dir / CONFIG_FILE, overrides)
+    except ConfigError as err:
+        moved = [f"{old} is now {new}" for old, new in RENAMED.items() if f"'{old}" in str(err)]
+        if moved:
+            raise ConfigError(f"{err}; {run_dir / CONFIG_FILE} was written by an older ray_forge: "
+                              f"{'; '.join(moved)} (the code env's limits sit under limits, output_kb is "
+                              "limits.output_bytes); edit it to go on") from err
+        raise
 
 
 FIXED_ON_RESUME = ("run.seed", "grpo.games_per_step", "grpo.group_size", "trainer.num_ranks", "model.path",
