@@ -390,6 +390,25 @@ def test_signalling_its_parent_the_host_or_everyone_harms_nothing(host):
     still_correct(host)  # the zygote, the host and this test all survived
 
 
+def test_renicing_every_process_of_its_uid_slows_nothing_outside(host):
+    """setpriority(PRIO_USER) reaches every process of a uid; run as the host's own uid (the user
+    host), it could push the env actor and every Ray worker to nice 19. The execution's PID
+    namespace keeps it to what it can see: its own processes."""
+    def nice(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+    outside = [os.getpid(), *host.pids, *descendants(host.pids[0])]
+    outside += [host.proc.pid] if hasattr(host, "proc") else []  # the user host's own process
+    before = {pid: nice(pid) for pid in outside}
+    code = ("import os\nfor which, who in ((os.PRIO_USER, 0), (os.PRIO_USER, os.getuid()), (os.PRIO_PGRP, 0)):\n"
+            "    try:\n        os.setpriority(which, who, 19)\n    except OSError:\n        pass\n"
+            "print(os.getpriority(os.PRIO_PROCESS, 0))")
+    result = host.execute(code)
+    assert result.error is None and result.stdout.strip() == "19"  # it did renice what it can see: itself
+    assert {pid: nice(pid) for pid in outside} == before
+    still_correct(host)
+
+
 def test_the_sandbox_runs_as_an_unprivileged_uid(host):
     """Launcher, zygote and template hold an unprivileged uid on the machine (65534 for the user
     host; a dedicated one when the host is root), whatever they are called inside their namespace."""
