@@ -3,6 +3,8 @@ line here (see the README's "Add your own env")."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from envs import blackjack, code, openenv_adapter
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import EnvConfig
@@ -33,14 +35,15 @@ def get(name: str, key: str = "env.name") -> EnvSpec:
 def setup(env: EnvConfig) -> EnvSetup:
     """The run's env (``env.name``) with its options, and the env it plays if it plays another's
     games; every section of ``env.options`` must name a registered env and be valid for it."""
-    for name, options in env.options.items():
-        get(name, f"env.options.{name}").setup(options)
-    spec = get(env.name)
-    options = spec.setup(env.options.get(env.name, {})).options
-    played = None
-    if spec.plays is not None:
-        name = spec.plays(options)
-        if name == spec.name or get(name, f"{spec.key}: it plays").plays is not None:
-            raise ConfigError(f"{spec.key}: it plays {name!r}, which plays no games of its own")
-        played = get(name).setup(env.options.get(name, {}))
-    return EnvSetup(spec, options, played)
+    checked = {name: get(name, f"env.options.{name}").setup(options) for name, options in env.options.items()}
+
+    def setup_of(name: str) -> EnvSetup:
+        return checked.get(name) or get(name).setup({})
+
+    run = setup_of(env.name)
+    if run.spec.plays is None:
+        return run
+    name = run.spec.plays(run.options)
+    if name == run.spec.name or get(name, f"{run.spec.key}: it plays").plays is not None:
+        raise ConfigError(f"{run.spec.key}: it plays {name!r}, which plays no games of its own")
+    return dataclasses.replace(run, played=setup_of(name))

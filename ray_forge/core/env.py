@@ -122,12 +122,11 @@ class EnvSpec(Generic[O]):
         """Where its options sit in a job config."""
         return f"env.options.{self.name}"
 
-    def setup(self, options: dict, played: EnvSetup | None = None) -> EnvSetup:
-        """This env with ``options`` (the raw mapping at ``key``), checked like any config section;
-        ``played`` is the env named by ``plays``, set up from its own section."""
+    def setup(self, options: dict) -> EnvSetup:
+        """This env with ``options`` (the raw mapping at ``key``), checked like any config section."""
         from ray_forge.config import from_dict
 
-        return EnvSetup(self, from_dict(self.options, options, self.key), played)
+        return EnvSetup(self, from_dict(self.options, options, self.key))
 
 
 @dataclass(frozen=True)
