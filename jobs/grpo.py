@@ -221,7 +221,8 @@ async def evaluate(config: JobConfig, actors: Actors, fleet: Fleet, final: bool 
                 log.warning("policy-0 holds weights version %d, not %d (it missed a push): evaluating what it holds",
                             version, fleet.version)
             metrics, result = await call(
-                actors.envs[0].evaluate.remote(actors.policies[0], "policy-0", final, config.policy.call_timeout_s),
+                actors.envs[0].evaluate.remote(actors.policies[0], "policy-0", final, config.policy.call_timeout_s,
+                                               RolloutSettings.of(config)),
                 timeout_s=RolloutSettings.of(config).play_limit_s, what="env-0.evaluate")
             row = {f"eval_{name}": value for name, value in metrics.items()}
             return dict(result, policy_version=version), dict(row, eval_policy_version=version)
@@ -375,7 +376,7 @@ def prepare_model(config: JobConfig, env: EnvSetup, run_dir: Path) -> str:
     made = run_dir / "initial_model"
     if (made / "config.json").is_file():
         return str(check_model_dir(made))
-    return str(make_tiny_qwen3(made, env.corpus(), config.model.tiny))
+    return str(make_tiny_qwen3(made, env.corpus(), config.model.tiny, chat=config.env.episode.mode == "sequence"))
 
 
 def restore_progress(run: Run) -> tuple[Progress, dict | None, float]:

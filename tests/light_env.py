@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_forge.core.env import EnvMaker, EnvSpec, StepResult, TextEnv, play_greedy
+from ray_forge.core.env import EnvMaker, EnvSpec, StepResult, TextEnv
 
 WORDS = ("LEFT", "RIGHT")
 
@@ -36,10 +36,10 @@ class LightEnv(TextEnv):
         return StepResult("", self.options.reward if answer == self.side else 0.0, True)
 
 
-def evaluate(options: LightOptions, decide, make_env, *, invalid_action_penalty: float, final: bool):
-    played = play_greedy(make_env, decide, list(range(8)), max_turns=1, penalty=invalid_action_penalty)
-    mean = sum(reward for reward, _, _ in played) / len(played)
-    return {"return": mean}, {"return": mean, "answers": [text for _, _, text in played]}
+def evaluate(options: LightOptions, decide, make_env, *, play, invalid_action_penalty: float, final: bool):
+    played = play(list(range(8)))  # greedy episodes, played as the rollouts play them
+    mean = sum(episode.reward for episode in played) / len(played)
+    return {"return": mean}, {"return": mean, "answers": [episode.text for episode in played]}
 
 
 SPEC = EnvSpec(

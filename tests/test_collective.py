@@ -58,7 +58,7 @@ def setup(ray_cluster, tiny_model_dir):
     prompts = [BlackjackTextEnv().reset(seed) for seed in range(360)]
     hit = allowed[0]
     turns = ray_cluster.get(policies[0].generate.remote(prompts[:64]), timeout=300)
-    samples = [Sample(token_ids=t.prompt_ids + (hit,), prompt_len=len(t.prompt_ids), behaviour_logprobs=(-0.7,),
+    samples = [Sample.completion(t.prompt_ids, (hit,), behaviour_logprobs=(-0.7,),
                       advantage=1.0, policy_version=0) for t in turns]
     fleet = Fleet(policies, [], policy_timeout_s=30, env_timeout_s=30)
     yield Setup(spec, store, policies, ranks, trainer, fleet, prompts, samples)

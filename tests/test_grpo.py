@@ -125,7 +125,7 @@ def test_restricted_logprobs_renormalise_over_allowed_tokens():
 
 
 def _sample(tokens, adv, version=0):
-    return Sample(token_ids=tokens, prompt_len=2, behaviour_logprobs=(-0.7,), advantage=adv, policy_version=version)
+    return Sample.completion(tokens[:2], tokens[2:], behaviour_logprobs=(-0.7,), advantage=adv, policy_version=version)
 
 
 def test_merge_identical_keeps_loss_and_gradient_exact():
@@ -157,8 +157,8 @@ def test_episodes_to_samples_credit_every_turn_with_the_game_advantage():
     ep = Episode(group_id=0, seed=1, turns=turns, reward=1.0)
     assert ep.policy_version == 3
     samples = episodes_to_samples([ep], [0.5])
-    assert [(s.token_ids, s.prompt_len, s.advantage, s.policy_version) for s in samples] == [
-        ((1, 2, 7), 2, 0.5, 3), ((1, 5, 8), 2, 0.5, 4)]
+    assert [(s.token_ids, s.loss_mask, s.advantage, s.policy_version) for s in samples] == [
+        ((1, 2, 7), (0, 0, 1), 0.5, 3), ((1, 5, 8), (0, 0, 1), 0.5, 4)]
 
 
 def test_logprobs_follow_the_sampling_temperature():

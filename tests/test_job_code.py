@@ -116,7 +116,7 @@ def test_trainer_steps_on_free_form_completions(finished_run, ray_cluster):
     for seed, result in enumerate(summary["tasks"][:8]):
         prompt_ids = tuple(tokenizer.encode(show(tasks[seed]), add_special_tokens=False))
         response_ids = tuple(tokenizer.encode(result["completion"], add_special_tokens=False))[:32] or (2,)
-        samples.append(Sample(token_ids=prompt_ids + response_ids, prompt_len=len(prompt_ids),
+        samples.append(Sample.completion(prompt_ids, response_ids,
                               behaviour_logprobs=(-6.7,) * len(response_ids), advantage=1.0 if seed % 2 else -1.0,
                               policy_version=3))
     rank = TrainerActor.options(num_cpus=0.5).remote(

@@ -79,7 +79,7 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, ray_
         prompts = _prompts(360)
         before = [c.text for c in policy.generate(prompts, greedy=True)]
         hit = policy.tokenizer.convert_tokens_to_ids("HIT")
-        samples = [Sample(token_ids=c.prompt_ids + (hit,), prompt_len=len(c.prompt_ids),
+        samples = [Sample.completion(c.prompt_ids, (hit,),
                           behaviour_logprobs=(-0.7,), advantage=1.0, policy_version=0)
                    for c in policy.generate(prompts)]
         for _ in range(5):
@@ -146,7 +146,7 @@ def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_mo
         policy.update_weights(store.spec, 21)
         old = logprob_table()
         hit = policy.tokenizer.convert_tokens_to_ids("HIT")
-        samples = [Sample(token_ids=ids + (hit,), prompt_len=len(ids), behaviour_logprobs=(-0.7,), advantage=1.0,
+        samples = [Sample.completion(ids, (hit,), behaviour_logprobs=(-0.7,), advantage=1.0,
                           policy_version=0) for ids in prompt_ids]
         for _ in range(5):
             asyncio.run(trainer.train_step(samples))

@@ -8,7 +8,7 @@ import ray
 
 from envs import registry
 from ray_forge.actors.env_pool import EnvPoolActor
-from ray_forge.actors.rollout import RemoteEnvs, RolloutSettings, play_groups
+from ray_forge.actors.rollout import RolloutSettings
 from ray_forge.cluster.pools import PlacementError, Pools
 from ray_forge.config.schema import BufferConfig, ClusterConfig, EnvConfig, Resources
 from ray_forge.core.env import StepResult
@@ -68,7 +68,7 @@ def test_rollout_plays_grouped_games_on_env_actors(ray_cluster):
     env = EnvPoolActor.options(num_cpus=0).remote(EnvConfig(), registry.get("blackjack").setup({}))
     settings = RolloutSettings(group_size=4, max_turns=10, invalid_action_penalty=-1.0,
                                policy_timeout_s=30, env_timeout_s=30)
-    groups = asyncio.run(play_groups(policy, "policy", RemoteEnvs(env, "env", 30), [(0, 11), (1, 12)], settings))
+    groups = ray.get(env.play.remote(policy, "policy", [(0, 11), (1, 12)], settings, 0), timeout=60)
     assert [len(g) for g in groups] == [4, 4]
     for group in groups:
         # Same seed and a deterministic policy: identical games within the group.
@@ -118,45 +118,19 @@ def test_garbage_actions_and_endless_games_are_penalised(ray_cluster):
     settings = RolloutSettings(group_size=2, max_turns=3, invalid_action_penalty=-2.0,
                                policy_timeout_s=30, env_timeout_s=30)
     garbage = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "<unk> 7 ,")
-    [group] = asyncio.run(play_groups(garbage, "policy", RemoteEnvs(env, "env", 30), [(0, 3)], settings))
+    [group] = ray.get(env.play.remote(garbage, "policy", [(0, 3)], settings, 0), timeout=60)
     assert all(e.error == "invalid action" and e.reward == -1.0 for e in group)
     ray.kill(garbage)
 
 
-class EndlessPool:
-    """A typed stand-in env pool whose games never end, and whose reset fails for seed 13 (an
-    OpenEnv server's hiccup, say); the real pool's handling of raising envs is tested above."""
-
-    def reset(self, key: int, seeds: list[int]) -> list[StepResult]:
-        return [StepResult("", -1.0, True, {"error": "env reset error: server hiccup"}) if seed == 13
-                else StepResult(f"state {seed}", 0.0, False) for seed in seeds]
-
-    def step(self, key: int, slots: list[int], actions: list[str]) -> list[StepResult]:
-        return [StepResult("state", 0.0, False) for _ in slots]
-
-    def release(self, key: int) -> None:
-        pass
-
-
-def test_empty_output_a_game_that_never_ends_and_a_failed_reset_end_with_their_reasons(ray_cluster):
+def test_empty_output_ends_the_game_as_an_invalid_action(ray_cluster):
     settings = RolloutSettings(group_size=2, max_turns=4, invalid_action_penalty=-1.0,
                                policy_timeout_s=30, env_timeout_s=30)
     empty = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "")
     env = EnvPoolActor.options(num_cpus=0).remote(EnvConfig(), registry.get("blackjack").setup({}))
-    [group] = asyncio.run(play_groups(empty, "policy", RemoteEnvs(env, "env", 30), [(0, 3)], settings))
+    [group] = ray.get(env.play.remote(empty, "policy", [(0, 3)], settings, 0), timeout=60)
     assert all(e.error == "invalid action" and e.reward == -1.0 and len(e.turns) == 1 for e in group)
-
-    class Chatty(ScriptedPolicy):
-        def generate(self, prompts, greedy=False, seed=None, priority=0):
-            return [Turn((1,), (9,), (-0.5,), 0, "I think") for _ in prompts]
-
-    chatty = ray.remote(Chatty).options(num_cpus=0).remote(None)
-    endless = ray.remote(EndlessPool).options(num_cpus=0).remote()
-    never, failed = asyncio.run(play_groups(chatty, "policy", RemoteEnvs(endless, "env", 30), [(0, 3), (1, 13)],
-        settings))
-    assert all(e.error == "still playing after 4 turns" and e.reward == -1.0 and len(e.turns) == 4 for e in never)
-    assert all(e.error == "env reset error: server hiccup" and e.reward == -1.0 and e.turns == () for e in failed)
-    for actor in (empty, env, chatty, endless):
+    for actor in (empty, env):
         ray.kill(actor)
 
 

@@ -79,7 +79,7 @@ def test_a_two_worker_engine_matches_the_trainer_after_a_sync(ray_cluster, tiny_
     try:
         trainer.setup()
         before = ray_cluster.get(policy.generate.remote(prompts, True), timeout=120)
-        samples = [Sample(token_ids=t.prompt_ids + (allowed[0],), prompt_len=len(t.prompt_ids),
+        samples = [Sample.completion(t.prompt_ids, (allowed[0],),
                           behaviour_logprobs=(-0.7,), advantage=1.0, policy_version=0) for t in before]
         for _ in range(3):
             asyncio.run(trainer.train_step(samples))

@@ -22,7 +22,7 @@ def _samples(tokenizer, allowed):
     for i, prompt in enumerate(prompts):
         ids = tuple(tokenizer.encode(prompt, add_special_tokens=False))
         action = allowed[i % 2]
-        samples.append(Sample(token_ids=ids + (action,), prompt_len=len(ids), behaviour_logprobs=(-0.6 - 0.01 * i,),
+        samples.append(Sample.completion(ids, (action,), behaviour_logprobs=(-0.6 - 0.01 * i,),
                               advantage=1.0 if i % 3 else -1.5, policy_version=0, weight=1.0 + i % 2))
     return samples  # 40 rows: odd count per rank is not needed, but uneven splits are tested below
 

@@ -464,7 +464,7 @@ def test_two_fsdp_ranks_put_their_own_shards_and_vllm_loads_the_whole_model(ray_
         prompts = [BlackjackTextEnv().reset(seed) for seed in range(360)]
         before = [c.text for c in engine.generate(prompts, greedy=True)]
         hit = engine.tokenizer.convert_tokens_to_ids("HIT")
-        samples = [Sample(token_ids=c.prompt_ids + (hit,), prompt_len=len(c.prompt_ids), behaviour_logprobs=(-0.7,),
+        samples = [Sample.completion(c.prompt_ids, (hit,), behaviour_logprobs=(-0.7,),
                           advantage=1.0, policy_version=0) for c in engine.generate(prompts)]
         for _ in range(2):
             asyncio.run(trainer.train_step(samples))

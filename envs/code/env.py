@@ -1,16 +1,17 @@
 """The code env: the model writes Python, it is executed, and the task's tests give the reward.
 
-Single-turn: ``reset(seed)`` shows a task, ``step(completion)`` runs the code once and ends the
-episode. The executor is anything with ``execute(code) -> ExecResult`` (the local sandbox, or
-Together's Code Interpreter).
+``reset(seed)`` shows a task; ``step(completion)`` judges the answer and ends the episode. With the
+python tool (``CodeOptions.tool``) the model may run code in its own session before it answers.
+The executor is anything with ``execute(code) -> ExecResult`` (the local sandbox, or Together's
+Code Interpreter).
 """
 
 from __future__ import annotations
 
 import re
-import secrets
 
-from envs.code.reward import NoResult, harness_program, score_code, score_math
+from envs.code.python_tool import PythonTool
+from envs.code.reward import judge
 from envs.code.sandbox import Executor
 from envs.code.tasks import Task
 from ray_forge.core.env import StepResult, TextEnv
@@ -25,53 +26,57 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-def show(task: Task) -> str:
-    """The prompt of ``task``, as the env shows it."""
-    if task.kind == "code":
-        return f"{task.prompt}\nAnswer with the function in a ```python block."
-    return f"{task.prompt}\nWrite a Python program that prints the answer, in a ```python block."
+TOOL_HINT = ("You may run Python first with the python tool, as often as you need (its session keeps your "
+             "variables). ")
+
+
+def show(task: Task, tool: bool = False) -> str:
+    """The prompt of ``task``, as the env shows it (``tool``: the python tool is offered)."""
+    hint = TOOL_HINT if tool else ""
+    if task.kind == "math":
+        return f"{task.prompt}\n{hint}Write a Python program that prints the answer, in a ```python block."
+    if task.kind == "stdio":
+        return f"{task.prompt}\n{hint}Answer with a program that reads stdin and prints the output, in a ```python block."
+    return f"{task.prompt}\n{hint}Answer with the function in a ```python block."
 
 
 class CodeEnv(TextEnv):
     """One task per episode, chosen by the seed. Rewards are in [0, 1] (``reward.py``), or
-    ``error_reward`` (in [-1, 0]) when the execution failed or its calls never ran."""
+    ``error_reward`` (in [-1, 0]) when the execution failed or its calls never ran.
+
+    With a ``session`` the model may call the ``python`` tool before it answers (a multi-turn
+    episode, ``env.episode.mode: sequence``): its code runs in that session, one per episode. The
+    answer, the turn without a tool call, is judged as ever: the task's tests run in a fresh
+    execution and are scored here, outside the sandbox."""
 
     action_words = None  # free-form text
 
-    def __init__(self, tasks: list[Task], executor: Executor, error_reward: float = 0.0) -> None:
+    def __init__(self, tasks: list[Task], executor: Executor, error_reward: float = 0.0,
+                 session: Executor | None = None) -> None:
         if not tasks:
             raise ValueError("CodeEnv needs at least one task")
         low, high = ERROR_REWARD_RANGE
         if not low <= error_reward <= high:
             raise ValueError(f"error_reward must lie in [{low}, {high}], got {error_reward}")
         self.tasks, self.executor, self.error_reward = tasks, executor, error_reward
+        self.session = session
         self.task: Task | None = None
 
     def reset(self, seed: int) -> str:
         self.task = self.tasks[seed % len(self.tasks)]
         self.executor.new_session()
-        return show(self.task)
+        if self.session is not None:
+            self.session.new_session()
+        return show(self.task, tool=self.session is not None)
+
+    def tools(self) -> list:
+        return [PythonTool(self.session)] if self.session is not None else []
 
     def step(self, action_text: str) -> StepResult:
         if self.task is None:
             raise RuntimeError("step() before reset()")
         task, self.task = self.task, None
-        code = extract_code(action_text)
-        if task.kind == "math":
-            result = self.executor.execute(code)
-            info = {"task": task.id, "stderr": result.stderr[-500:]}
-            if result.error:
-                return StepResult("", self.error_reward, True, dict(info, error=result.error))
-            return StepResult(result.stdout[-500:], score_math(result.stdout, task.answer), True, info)
-        marker = f"@@rf-result-{secrets.token_hex(8)}@@"
-        result = self.executor.execute(harness_program(code, task, marker))
-        info = {"task": task.id, "stderr": result.stderr[-500:]}
-        if result.error:
-            return StepResult("", self.error_reward, True, dict(info, error=result.error))
-        try:
-            reward, why = score_code(result.stdout, marker, task)
-        except NoResult as err:
-            return StepResult("", self.error_reward, True, dict(info, error=str(err)))
-        if why:
-            info["error"] = why
-        return StepResult(result.stdout[-500:], reward, True, info)
+        reward, info = judge(task, extract_code(action_text), self.executor)
+        if info.pop("execution_failed", False):
+            reward = self.error_reward
+        return StepResult(info.pop("stdout", ""), reward, True, info)

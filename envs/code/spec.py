@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Literal
 
 from envs.code.env import CodeEnv, show
+from envs.code.python_tool import ReplaySession
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import BUNDLED, Task, load_tasks
-from ray_forge.core.env import Decide, EnvMaker, EnvSpec, play_greedy
+from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayGreedy
 from ray_forge.observe.plots import learning_curve_png
 
 
@@ -20,7 +21,8 @@ class CodeOptions:
     """The code env (``env.name: code``): the model writes Python, tests give the reward."""
 
     tasks: str = ""
-    """A JSONL file of tasks (see ``envs/code/tasks.py``); empty: the bundled set."""
+    """A JSONL or Parquet file of tasks in any format ``envs/code/tasks.py`` reads (native, assert tests,
+    stdin/stdout cases, call/expected lists); empty: the bundled set."""
     backend: Literal["local", "together"] = "local"
     """local: the sandbox on the env actor's node; together: Together's Code Interpreter
     (TOGETHER_API_KEY from the environment or a Kubernetes Secret)."""
@@ -33,6 +35,9 @@ class CodeOptions:
     limits: Limits = field(default_factory=Limits)
     """What one execution may use (``envs/code/sandbox.py``); Together's interpreter gets
     ``limits.wall_s`` plus 30 s per request."""
+    tool: bool = False
+    """Offer the ``python`` tool: the model may run code, one interpreter session per episode,
+    before it answers (needs ``env.episode.mode: sequence``)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= 16:
@@ -54,14 +59,19 @@ def make_envs(options: CodeOptions, invalid_action_penalty: float) -> EnvMaker:
     if options.backend == "together":
         from envs.code.together_interpreter import TogetherCodeInterpreter
 
-        return EnvMaker(lambda: CodeEnv(tasks, TogetherCodeInterpreter(timeout_s=options.limits.wall_s + 30)))
+        def interpreter() -> TogetherCodeInterpreter:
+            return TogetherCodeInterpreter(timeout_s=options.limits.wall_s + 30)
+
+        # The answer is judged in a session of its own, never in the one the model's calls shaped.
+        return EnvMaker(lambda: CodeEnv(tasks, interpreter(), session=interpreter() if options.tool else None))
     sandbox = LocalSandbox(size=options.concurrency, limits=options.limits, isolation=options.isolation)
-    return EnvMaker(lambda: CodeEnv(tasks, sandbox), sandbox.close)
+    return EnvMaker(lambda: CodeEnv(tasks, sandbox, session=ReplaySession(sandbox) if options.tool else None),
+                    sandbox.close)
 
 
 def prompts(options: CodeOptions) -> list[str]:
     """Every task's prompt, as the env shows it (showing one runs nothing)."""
-    return [show(task) for task in options.task_list()]
+    return [show(task, options.tool) for task in options.task_list()]
 
 
 def corpus(options: CodeOptions) -> list[str]:
@@ -71,17 +81,18 @@ def corpus(options: CodeOptions) -> list[str]:
     return prompts(options) + tests
 
 
-def evaluate(options: CodeOptions, decide: Decide, make_env: EnvMaker, *, invalid_action_penalty: float,
-             final: bool) -> tuple[dict[str, float], dict]:
-    """The greedy completion for every task (seed ``i`` shows task ``i``), scored by ``make_env``'s
-    executor as in training. Metrics: ``return`` (mean reward) and ``solved`` (share of tasks with
-    reward 1), the same per task kind (``code_return``, ``math_solved``, ...); the result adds
-    the count of each error and ``tasks``, one row per task with its reward, error and completion."""
+def evaluate(options: CodeOptions, decide: Decide, make_env: EnvMaker, *, play: PlayGreedy,
+             invalid_action_penalty: float, final: bool) -> tuple[dict[str, float], dict]:
+    """The greedy episode of every task (seed ``i`` shows task ``i``), played as in training (tool
+    calls included) and scored by the env's executor. Metrics: ``return`` (mean reward) and
+    ``solved`` (share of tasks with reward 1), the same per task kind (``code_return``,
+    ``math_solved``, ...); the result adds the count of each error and ``tasks``, one row per
+    task with its reward, error, tool calls and completion."""
     tasks = options.task_list()
-    played = play_greedy(make_env, decide, list(range(len(tasks))), max_turns=1, penalty=invalid_action_penalty,
-                         threads=options.concurrency)
-    rows = [dict(id=task.id, kind=task.kind, reward=reward, error=error, completion=text)
-            for task, (reward, error, text) in zip(tasks, played, strict=True)]
+    played = play(list(range(len(tasks))))
+    rows = [dict(id=task.id, kind=task.kind, reward=e.reward, error=e.error, completion=e.text,
+                 tool_calls=int(e.stats.get("tool_calls", 0)))
+            for task, e in zip(tasks, played, strict=True)]
     metrics = {}
     for kind in [None, *sorted({row["kind"] for row in rows})]:
         chosen = [row for row in rows if kind in (None, row["kind"])]

@@ -7,6 +7,7 @@ buffer. The driver hands out seeds and gets counts back; no token passes through
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -15,11 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from ray_forge.actors.rollout import LocalEnvs, RolloutSettings, play_groups
+from ray_forge.actors.rollout import RolloutSettings, request_seed
 from ray_forge.config.schema import EnvConfig
+from ray_forge.core.chat import ChatFormat
 from ray_forge.core.env import EnvSetup, StepResult, TextEnv
 from ray_forge.core.episode import Episode
-from ray_forge.remote import ActorRestarted, call, get
+from ray_forge.core.play import Play
+from ray_forge.remote import ActorRestarted, RemoteCallError, call, get
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +36,9 @@ class EnvPool:
     the pool down: that game ends with the penalty and the error is reported in ``info``.
     """
 
-    def __init__(self, config: EnvConfig, env: EnvSetup) -> None:
-        """``env``: the job's env (``envs/registry.py``); its spec's factory runs here, once."""
+    def __init__(self, config: EnvConfig, env: EnvSetup, tokenizer=None) -> None:
+        """``env``: the job's env (``envs/registry.py``); its spec's factory runs here, once.
+        ``tokenizer``: the model's, for ``sequence`` episodes (its chat template renders them)."""
         self._env, self._penalty = env, config.invalid_action_penalty
         self._make = env.make_env(self._penalty)
         self._batches: dict[int, list[TextEnv]] = {}
@@ -42,6 +46,11 @@ class EnvPool:
         first = self._make()
         self.action_words = first.action_words
         self._free.append(first)
+        self._chat = None
+        if config.episode.mode == "sequence":
+            if tokenizer is None:
+                raise ValueError("env.episode.mode=sequence needs the model's tokenizer (its chat template)")
+            self._chat = ChatFormat(tokenizer, [tool.schema for tool in first.tools()])
         # Envs that wait on execution or a server (code, openenv) run in parallel; cheap envs
         # run in this thread.
         concurrency = env.concurrency()
@@ -90,31 +99,73 @@ class EnvPool:
 
     async def play(self, policy, policy_name: str, groups: list[tuple[int, int]], settings: RolloutSettings,
                    key: Hashable, sink: tuple | None = None) -> list[list[Episode]] | dict[str, int]:
-        """Play ``groups`` on this pool's envs against ``policy`` (an engine actor).
+        """Play ``groups`` on this pool's envs against ``policy`` (an engine actor), with the game
+        loop of ``ray_forge.core.play``.
 
         With ``sink = (buffer, batch, chunk, num_chunks)`` the groups go into the buffer as that
         chunk of that batch, and only counts come back (``games``, ``tokens``); without, the
         groups come back (evaluation). A policy that dies raises RemoteCallError naming it, so
         the driver can replay the chunk elsewhere; a policy or env call that times out raises one
         too (not a death: the run stops, naming the call)."""
-        envs = LocalEnvs(self, ray.get_runtime_context().get_actor_name() or "env", settings.env_timeout_s)
-        played = await play_groups(policy, policy_name, envs, groups, settings, key=key)
+        games = [(gid, seed) for gid, seed in groups for _ in range(settings.group_size)]
+        episodes = await self._play(games, self._engine(policy, policy_name, settings, groups), settings, key)
+        g = settings.group_size
+        played = [episodes[i:i + g] for i in range(0, len(episodes), g)]
         if sink is None:
             return played
         buffer, batch, chunk, num_chunks = sink
         await call(buffer.add_chunk.remote(batch, chunk, num_chunks, played), timeout_s=60, what="buffer.add_chunk")
-        return dict(games=sum(len(g) for g in played),
-                    tokens=sum(len(t.response_ids) for g in played for e in g for t in e.turns))
+        return dict(games=len(episodes), tokens=sum(len(t.response_ids) for e in episodes for t in e.turns))
 
-    async def evaluate(self, policy, policy_name: str, final: bool, timeout_s: float) -> tuple[dict[str, float], dict]:
+    async def _play(self, games: list[tuple[int, int]], engine, settings: RolloutSettings, key: Hashable) -> list[Episode]:
+        with self._lock:  # plays of several chunks deal from their own threads
+            self.release(key)
+            envs = [self._free.pop() if self._free else self._make() for _ in games]
+            self._batches[key] = envs
+        try:
+            return await Play(games, envs, engine, settings.episode_rules(), chat=self._chat,
+                              max_model_len=settings.max_model_len, threads=self._threads,
+                              env_timeout_s=settings.env_timeout_s).run()
+        except TimeoutError as err:  # an env turn that hangs: not a death, the run stops naming it
+            raise RemoteCallError(f"{self._name()}.step: {err}", f"{self._name()}.step") from None
+        finally:
+            self.release(key)  # also after a failure: the batch is replayed elsewhere
+
+    def _engine(self, policy, policy_name: str, settings: RolloutSettings, groups: list[tuple[int, int]]):
+        """The game loop's policy: calls of ``policy`` (an engine actor) under the rollout's timeout,
+        text prompts in ``turns`` mode, token ids in ``sequence`` mode."""
+        async def generate(prompts: list, max_tokens: list[int], stop_ids: tuple[int, ...], turn: int):
+            seed = None if settings.greedy else request_seed(groups, turn)
+            ref = (policy.generate_ids.remote(prompts, max_tokens, stop_ids, settings.greedy, seed, settings.priority)
+                   if self._chat is not None else policy.generate.remote(prompts, settings.greedy, seed, settings.priority))
+            return await call(ref, timeout_s=settings.policy_timeout_s, what=f"{policy_name}.generate")
+
+        return generate
+
+    def _name(self) -> str:
+        return ray.get_runtime_context().get_actor_name() or "env"
+
+    async def evaluate(self, policy, policy_name: str, final: bool, timeout_s: float,
+                       settings: RolloutSettings | None = None) -> tuple[dict[str, float], dict]:
         """The env's own greedy evaluation of ``policy`` (its metrics and whole result), run here
-        beside the envs (a sandbox, a server's sessions) in a thread, so plays go on meanwhile."""
+        beside the envs (a sandbox, a server's sessions) in a thread, so plays go on meanwhile.
+        Its games (``play``) are played by the same loop as the rollouts', greedily, ahead of them."""
+        loop = asyncio.get_running_loop()
+        greedy = dataclasses.replace(settings or _default_settings(self._penalty, timeout_s), greedy=True, priority=-1,
+                                     group_size=1)
+
         def decide(prompts: list[str]) -> list[str]:
             # Ahead of the rollouts' requests: the training loop waits for this evaluation.
             return [turn.text for turn in get(policy.generate.remote(prompts, True, None, -1), timeout_s=timeout_s,
                                               what=f"{policy_name}.generate")]
 
-        return await asyncio.to_thread(self._env.evaluate, decide, self._make,
+        def play(seeds: list[int]) -> list[Episode]:
+            games = [(i, seed) for i, seed in enumerate(seeds)]
+            engine = self._engine(policy, policy_name, greedy, games)
+            work = self._play(games, engine, greedy, ("eval", id(seeds)))
+            return asyncio.run_coroutine_threadsafe(work, loop).result(timeout=greedy.play_limit_s)
+
+        return await asyncio.to_thread(self._env.evaluate, decide, self._make, play=play,
                                        invalid_action_penalty=self._penalty, final=final)
 
     def close(self) -> None:
@@ -138,3 +189,9 @@ class EnvPool:
 
 
 EnvPoolActor = ray.remote(EnvPool)
+
+
+def _default_settings(penalty: float, timeout_s: float) -> RolloutSettings:
+    """An evaluation's rollout when the caller gave none: one turn, the call's timeout."""
+    return RolloutSettings(group_size=1, max_turns=1, invalid_action_penalty=penalty, policy_timeout_s=timeout_s,
+                           env_timeout_s=timeout_s)

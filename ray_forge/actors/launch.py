@@ -63,6 +63,17 @@ class Actors:
             self.store.transport.destroy()
 
 
+def chat_tokenizer(model_dir: str):
+    """The model folder's tokenizer, with its chat template; fails naming what is missing."""
+    from transformers import AutoTokenizer
+
+    from ray_forge.core.chat import ChatFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ChatFormat(tokenizer)  # a tokenizer without a template, or without the tokens it needs, stops here
+    return tokenizer
+
+
 def start_actors(config: JobConfig, env: EnvSetup, model_dir: str, store_name: str) -> Actors:
     """Create all actors at once (their start-ups overlap), then wait for them to be ready."""
     pools = Pools(config.cluster, config.pools())
@@ -86,7 +97,10 @@ def _start(actor, placement: dict, section, *, max_restarts: int = 0, **found):
 def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, store_name: str,
               handles: list) -> Actors:
     slots = pools.slots
-    envs = [_start(EnvPoolActor, slot.options(f"env-{i}"), config.env, max_restarts=config.env.max_restarts, env=env)
+    # A sequence episode is rendered by the model's own chat template, in the env actors.
+    tokenizer = chat_tokenizer(model_dir) if config.env.episode.mode == "sequence" else None
+    envs = [_start(EnvPoolActor, slot.options(f"env-{i}"), config.env, max_restarts=config.env.max_restarts, env=env,
+                   tokenizer=tokenizer)
             for i, slot in enumerate(slots["env"])]
     handles += envs
     action_words = get(envs[0].get_action_words.remote(), timeout_s=config.env.call_timeout_s, what="env-0")

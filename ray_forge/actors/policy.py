@@ -165,37 +165,51 @@ class VLLMPolicy:
 
     def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None,
                  priority: int = 0) -> list[Turn]:
-        """One completion per prompt, in order. Identical prompts become one request with
-        ``n`` samples, so the engine encodes each distinct prompt once. The requests join the
-        engine's running batch; those of a call with a lower ``priority`` are scheduled before
-        waiting ones of a higher (the driver's sync checks and evaluations use -1).
+        """One completion of up to ``policy.max_tokens`` per text prompt, in order (encoded
+        without special tokens); see :meth:`generate_ids`."""
+        ids = [tuple(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+        return self.generate_ids(ids, [self.config.max_tokens] * len(ids), (), greedy, seed, priority)
+
+    def generate_ids(self, prompts: list[tuple[int, ...]], max_tokens: list[int], stop_ids: tuple[int, ...] = (),
+                     greedy: bool = False, seed: int | None = None, priority: int = 0) -> list[Turn]:
+        """One completion per prompt of token ids, in order, token in, token out: the prompt is
+        given to the engine as it is, and each turn holds the ids sampled, the end-of-turn or
+        tool-call token it stopped at (``stop_ids``) included. Identical prompts become one
+        request with ``n`` samples, so the engine encodes each distinct prompt once. The requests
+        join the engine's running batch; those of a call with a lower ``priority`` are scheduled
+        before waiting ones of a higher (the driver's sync checks and evaluations use -1).
 
         With ``seed``, the i-th distinct prompt samples from its own generator seeded ``seed + i``,
         so the same call gives the same completions on any engine, a restarted one included."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        counts = Counter(prompts)
+        keys = [(tuple(p), m) for p, m in zip(prompts, max_tokens, strict=True)]
+        counts = Counter(keys)
         unique = list(counts)
-        token_prompts = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)} for p in unique]
-        constraint = (dict(max_tokens=self.config.max_tokens, allowed_token_ids=self.allowed_ids)
-                      if self.action_choice is None
-                      else action_choice_params(self.action_choice, greedy, self.config.max_tokens))
-        draws = self.draws and not greedy
+        draws = self.draws and not greedy and all(m == 1 for _, m in unique)
+
+        def constraint(budget: int) -> dict:
+            if self.action_choice is not None:
+                return action_choice_params(self.action_choice, greedy, budget)
+            return dict(max_tokens=budget, allowed_token_ids=self.allowed_ids)
+
         params = [
             SamplingParams(
-                n=1 if greedy or draws else counts[p],
+                n=1 if greedy or draws else counts[key],
                 temperature=0.0 if greedy else self.config.temperature,
                 # Drawing here needs the probability of every allowed token.
                 logprobs=len(self.allowed_ids) if draws else 0,
                 seed=None if seed is None or greedy else (seed + i) % 2**63,
                 output_kind=RequestOutputKind.FINAL_ONLY,
-                **constraint,
+                stop_token_ids=list(stop_ids) or None,
+                # Special tokens in the text too: a tool call's tags are what the env reads.
+                skip_special_tokens=not stop_ids,
+                **constraint(key[1]),
             )
-            for i, p in enumerate(unique)
+            for i, key in enumerate(unique)
         ]
-        futures = self.loop.submit([(p["prompt_token_ids"], param) for p, param in zip(token_prompts, params)],
-                                   priority)
+        futures = self.loop.submit([(list(key[0]), param) for key, param in zip(unique, params)], priority)
         deadline = time.monotonic() + self.config.call_timeout_s
         try:
             outputs = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
@@ -203,17 +217,17 @@ class VLLMPolicy:
             self.loop.abort(futures)  # the caller has given up on them
             raise TimeoutError(f"{len(prompts)} prompts not answered within policy.call_timeout_s="
                                f"{self.config.call_timeout_s:.0f}s") from None
-        pools: dict[str, list[Turn]] = {}
-        for i, (prompt, request) in enumerate(zip(unique, outputs, strict=True)):
+        pools: dict[tuple, list[Turn]] = {}
+        for i, (key, request) in enumerate(zip(unique, outputs, strict=True)):
             prompt_ids = tuple(request.prompt_token_ids)
             if draws:
-                pools[prompt] = self._draw(prompt_ids, request.outputs[0], counts[prompt],
-                                           None if seed is None else (seed + i) % 2**63)
+                pools[key] = self._draw(prompt_ids, request.outputs[0], counts[key],
+                                        None if seed is None else (seed + i) % 2**63)
             else:
-                pools[prompt] = [_turn(prompt_ids, sample) for sample in request.outputs]
+                pools[key] = [_turn(prompt_ids, sample) for sample in request.outputs]
         if greedy:
-            return [pools[p][0] for p in prompts]
-        return [pools[p].pop() for p in prompts]
+            return [pools[k][0] for k in keys]
+        return [pools[k].pop() for k in keys]
 
     def _draw(self, prompt_ids: tuple[int, ...], sample, n: int, seed: int | None) -> list[Turn]:
         """``n`` one-token answers drawn from the distribution the engine computed for this prompt

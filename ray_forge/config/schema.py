@@ -180,6 +180,36 @@ class BufferConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ToolConfig:
+    """What a tool call may do in a ``sequence`` episode: the run's limits, never the model's."""
+
+    timeout_s: float = 30.0
+    """Longest one call may take; the model is told it timed out, and the episode goes on."""
+    max_calls: int = 8
+    """Calls an episode may make; one more ends it, truncated, with the invalid-action penalty."""
+    max_output_chars: int = 2000
+    """Characters of a call's output the model is shown; the rest is cut and the model told so."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeConfig:
+    """How a game is shown to the model (``ray_forge.core.play``)."""
+
+    mode: Literal["turns", "sequence"] = "turns"
+    """turns: every observation is a prompt of its own, and each turn trains as its own sample.
+    sequence: the episode is one chat through the model's chat template, token in, token out,
+    with the env's tools called mid-episode; it trains as one row, loss on sampled tokens only."""
+    max_tokens: int = 0
+    """sequence mode: tokens of the whole episode (prompt, turns, tool output); 0 means
+    ``policy.max_model_len``, which also bounds it. An episode with no room left ends, truncated."""
+    strict_template: bool = False
+    """sequence mode: a chat template that rewrites earlier turns fails the episode, naming the
+    turn, instead of starting a new segment from the template's rendering (counted)."""
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    """Limits of every tool call."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     name: str = ""
     """Which registered env the pool plays (``envs/registry.py``): blackjack, code, openenv, or your
@@ -191,7 +221,9 @@ class EnvConfig:
     invalid_action_penalty: float = -1.0
     """Reward for a game ended by an unparseable action."""
     max_turns: int = 12
-    """A game still running after this many turns ends with the invalid-action penalty."""
+    """A game still running after this many model turns ends with the invalid-action penalty."""
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """One sequence per game or one sample per turn, and the limits of a multi-turn episode."""
     call_timeout_s: float = 120.0
     """Longest wait for one reset or step of a batch of games."""
     max_restarts: int = 20
@@ -363,6 +395,7 @@ _AT_LEAST = {
     "policy.kv_cache_mb": 1, "policy.tensor_parallel_size": 1, "policy.temperature": 0.0, "policy.max_restarts": 0,
     "trainer.num_ranks": 1, "trainer.warmup_steps": 0, "trainer.weight_decay": 0.0, "trainer.micro_batch_size": 1,
     "buffer.max_policy_lag": 0, "buffer.max_uses": 1, "env.num_actors": 1, "env.max_turns": 1, "env.max_restarts": 0,
+    "env.episode.max_tokens": 0, "env.episode.tools.max_calls": 1, "env.episode.tools.max_output_chars": 1,
     "grpo.games_per_step": 1, "grpo.kl_coef": 0.0, "grpo.entropy_coef": 0.0, "weights.keep_versions": 1,
     "weights.bucket_mb": 1, "chaos.every_s": 0.0,
 }

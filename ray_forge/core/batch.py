@@ -8,6 +8,7 @@ import torch
 
 from ray_forge.core.algorithm import group_advantages
 from ray_forge.core.episode import Episode, Sample, episodes_to_samples, merge_identical
+from ray_forge.core.play import episode_metrics
 
 
 @dataclass
@@ -17,7 +18,7 @@ class TensorBatch:
     inputs_BT: torch.Tensor
     targets_BT: torch.Tensor
     mask_BT: torch.Tensor
-    """1.0 on response tokens (the only positions with a loss)."""
+    """1.0 where the target is a sampled token (the only positions with a loss)."""
     behaviour_logprobs_BT: torch.Tensor
     advantages_B: torch.Tensor
     weights_B: torch.Tensor
@@ -41,12 +42,15 @@ def collate(samples: list[Sample], pad_id: int = 0) -> TensorBatch:
         length = len(s.token_ids) - 1
         inputs[row, :length] = tokens[:-1]
         targets[row, :length] = tokens[1:]
-        # Response token j sits at target position prompt_len - 1 + j.
-        start, end = s.prompt_len - 1, length
-        mask[row, start:end] = 1.0
-        behaviour[row, start:end] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        # Token t + 1 is predicted at position t: a sampled token's loss sits one place before it.
+        # A sample's first token is never predicted, so it can carry no loss.
+        if s.loss_mask[0]:
+            raise ValueError("a sample's first token has a loss: nothing before it predicts it")
+        positions = torch.tensor(s.loss_mask[1:], dtype=torch.bool).nonzero().flatten()
+        mask[row, positions] = 1.0
+        behaviour[row, positions] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
         if ref is not None:
-            ref[row, start:end] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
+            ref[row, positions] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
     return TensorBatch(
         inputs_BT=inputs, targets_BT=targets, mask_BT=mask, behaviour_logprobs_BT=behaviour,
         advantages_B=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
@@ -80,7 +84,8 @@ def groups_to_samples(groups: list[list[Episode]], merge: bool,
                  groups_kept=float(keep.float().mean()), num_samples=len(samples),
                  env_errors=sum(e.error is not None for e in episodes),
                  sample_policy_version=sum(s.policy_version for s in samples) / max(1, len(samples)),
-                 policy_lag=sum(lags) / max(1, len(lags)), policy_lag_max=max(lags, default=0))
+                 policy_lag=sum(lags) / max(1, len(lags)), policy_lag_max=max(lags, default=0),
+                 **episode_metrics(episodes))
     if merge:
         samples = merge_identical(samples)
     stats["num_rows"] = len(samples)

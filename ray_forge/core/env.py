@@ -7,7 +7,6 @@ the env pool actors, which build the envs themselves.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generic, Protocol, TypeVar
@@ -42,10 +41,19 @@ class TextEnv(Protocol):
         """Free what the env holds outside this process (a server's session); called at shutdown."""
         return None
 
+    def tools(self) -> list:
+        """The tools (``ray_forge.core.tools.Tool``) the model may call in this episode, bound to it
+        (a ``python`` tool's interpreter session); called after ``reset``. Only a ``sequence``
+        episode offers them: ``env.episode.mode``."""
+        return []
+
 
 O = TypeVar("O")
 Decide = Callable[[list[str]], list[str]]
 """Prompts in, the policy's greedy completions out, in order (an engine, an actor, a function)."""
+PlayGreedy = Callable[[list[int]], list[Any]]
+"""Seeds in, one greedy ``Episode`` per seed out, played by the run's own game loop
+(``ray_forge.core.play``) on the env actor's envs: the same episodes a rollout plays."""
 
 
 class EnvMaker:
@@ -96,9 +104,10 @@ class EnvSpec(Generic[O]):
     probe_prompts: Callable[[O], list[str]] | None = None
     """Prompts on which policy-0 and the trainer are compared after a sync."""
     evaluate: Callable[..., tuple[dict[str, float], dict]] | None = None
-    """``evaluate(options, decide, make_env, invalid_action_penalty=..., final=...)``: the greedy
-    policy ``decide`` scored on this env (``make_env`` is the env actor's own maker; ``final`` is
-    the end-of-run evaluation, which may be longer). Returns its metrics (logged as
+    """``evaluate(options, decide, make_env, play=..., invalid_action_penalty=..., final=...)``: the
+    greedy policy scored on this env, through ``decide`` (raw prompts to completions) or ``play``
+    (seeds to whole episodes, as rollouts play them); ``make_env`` is the env actor's own maker;
+    ``final`` is the end-of-run evaluation, which may be longer. Returns its metrics (logged as
     ``eval_<name>``; ``return`` is what ``run.keep_best`` maximises, and must be there) and the
     whole result (the run's ``eval.json``)."""
     pictures: Callable[[O, Path, list[dict], dict], list[Path]] = _no_pictures
@@ -159,10 +168,10 @@ class EnvSetup:
     def references(self) -> dict[str, float]:
         return self._source.spec.references(self._source.options)
 
-    def evaluate(self, decide: Decide, make_env: EnvMaker, *, invalid_action_penalty: float,
+    def evaluate(self, decide: Decide, make_env: EnvMaker, *, play: PlayGreedy, invalid_action_penalty: float,
                  final: bool) -> tuple[dict[str, float], dict]:
         source = self._source
-        metrics, result = source.spec.evaluate(source.options, decide, make_env,
+        metrics, result = source.spec.evaluate(source.options, decide, make_env, play=play,
                                                invalid_action_penalty=invalid_action_penalty, final=final)
         if not isinstance(metrics.get("return"), float):
             raise TypeError(f"env {source.spec.name!r}: its evaluation's metrics must hold a float 'return' "
@@ -171,52 +180,3 @@ class EnvSetup:
 
     def pictures(self, run_dir: Path, rows: list[dict], final: dict) -> list[Path]:
         return self._source.spec.pictures(self._source.options, run_dir, rows, final)
-
-
-def play_greedy(make_env: Callable[[], TextEnv], decide: Decide, seeds: list[int], *, max_turns: int,
-                penalty: float, threads: int = 1) -> list[tuple[float, str | None, str]]:
-    """Play one game per seed with ``decide``'s answers, every game's turn in one call of it.
-    Returns (reward, error, the completions joined) per game; a game still running after
-    ``max_turns``, or whose env raised, ends with ``penalty``. Every env is closed, also when
-    ``decide`` fails."""
-    envs = [make_env() for _ in seeds]
-    try:
-        return _play(envs, decide, seeds, max_turns, penalty, threads)
-    finally:
-        for env in envs:
-            env.close()
-
-
-def _play(envs: list[TextEnv], decide: Decide, seeds: list[int], max_turns: int, penalty: float,
-          threads: int) -> list[tuple[float, str | None, str]]:
-    rewards, errors, texts = [0.0] * len(seeds), [None] * len(seeds), [""] * len(seeds)
-    live: dict[int, str] = {}
-    for i, (env, seed) in enumerate(zip(envs, seeds, strict=True)):
-        try:
-            live[i] = env.reset(seed)
-        except Exception as err:  # one game's failure must not end the evaluation
-            rewards[i], errors[i] = penalty, f"env reset error: {err}"
-
-    def one(i: int, answer: str) -> StepResult:
-        try:
-            return envs[i].step(answer)
-        except Exception as err:
-            return StepResult("", penalty, True, {"error": f"env error: {err}"})
-
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        for _ in range(max_turns):
-            if not live:
-                break
-            slots = list(live)
-            answers = decide([live[i] for i in slots])
-            for i, answer, result in zip(slots, answers, pool.map(one, slots, answers), strict=True):
-                texts[i] += answer
-                rewards[i] += result.reward
-                if result.done:
-                    errors[i] = result.info.get("error")
-                    del live[i]
-                else:
-                    live[i] = result.observation
-    for i in live:
-        rewards[i], errors[i] = penalty, f"still playing after {max_turns} turns"
-    return [(rewards[i], errors[i], texts[i]) for i in range(len(seeds))]

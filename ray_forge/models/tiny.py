@@ -40,24 +40,30 @@ def check_model_dir(path: str | Path) -> Path:
     return folder
 
 
-def build_tokenizer(corpus: list[str], kind: str = "word", bpe_vocab_size: int = 1024):
+def build_tokenizer(corpus: list[str], kind: str = "word", bpe_vocab_size: int = 1024, chat: bool = False):
     """A tokenizer trained on ``corpus``, with the special tokens <pad> <unk> <eos> first.
 
     word: the vocabulary is exactly the words of ``corpus`` (decoding joins them with spaces).
     bpe: byte-level BPE (every byte is a token, so nothing is unknown and decoding is exact).
+    chat: also the tokens of Qwen3's chat format, each whole (``ray_forge.core.chat.CHAT_TOKENS``),
+    and a chat template in that format, for multi-turn episodes with tool calls.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from ray_forge.core.chat import CHAT_TOKENS, TINY_TEMPLATE
+
+    specials = list(SPECIAL_TOKENS) + (list(CHAT_TOKENS) if chat else [])
+
     if kind == "word":
         tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS))
+        trainer = trainers.WordLevelTrainer(special_tokens=specials)
     elif kind == "bpe":
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=bpe_vocab_size, special_tokens=list(SPECIAL_TOKENS),
+        trainer = trainers.BpeTrainer(vocab_size=bpe_vocab_size, special_tokens=specials,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     else:
         raise ValueError(f"unknown tokenizer kind {kind!r} (known: word, bpe)")
@@ -65,19 +71,20 @@ def build_tokenizer(corpus: list[str], kind: str = "word", bpe_vocab_size: int =
     # No clean-up on decode: it would rewrite spaces before punctuation (" ," -> ",") in code.
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>", bos_token=None,
-        clean_up_tokenization_spaces=False,
+        clean_up_tokenization_spaces=False, chat_template=TINY_TEMPLATE if chat else None,
     )
 
 
-def make_tiny_qwen3(out_dir: str | Path, corpus: list[str], shape: TinyModelConfig) -> Path:
-    """Write a random-init Qwen3 + tokenizer to ``out_dir`` (reused if already there)."""
+def make_tiny_qwen3(out_dir: str | Path, corpus: list[str], shape: TinyModelConfig, chat: bool = False) -> Path:
+    """Write a random-init Qwen3 + tokenizer to ``out_dir`` (reused if already there); ``chat``:
+    a tokenizer with Qwen3's chat format (see :func:`build_tokenizer`)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     folder = Path(out_dir)
     if (folder / "config.json").is_file():
         return check_model_dir(folder)
-    tokenizer = build_tokenizer(corpus, shape.tokenizer, shape.bpe_vocab_size)
+    tokenizer = build_tokenizer(corpus, shape.tokenizer, shape.bpe_vocab_size, chat)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,

@@ -1,0 +1,270 @@
+"""The one game loop: rollouts and evaluations play their episodes here, against any policy.
+
+A game alternates model turns and env turns until the env says done or a limit ends it. Two ways
+to show the model its game (``EpisodeRules.mode``):
+
+- ``turns``: every observation is a prompt of its own (plain text, no template); each turn
+  trains as its own sample. BlackJack's default: its decisions share prompts across games.
+- ``sequence``: the episode is one chat, token in, token out (``ray_forge.core.sequence``). The
+  env's tools run in the middle of it; the trainer gets one row per segment.
+
+The loop never waits on the slowest game: every game ready for the model goes to the policy in
+one call; every game's env turn (a tool call, an env step) runs on its own thread when the env
+waits on something (``threads``), or, for cheap envs, all of them in one call off the event loop.
+So a slow tool holds only its own game, and a cheap env plays in lockstep, turn by turn, as fast
+as one batched call per turn allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections import Counter
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Literal, Protocol
+
+from ray_forge.core.chat import ChatFormat, parse_tool_calls
+from ray_forge.core.env import StepResult, TextEnv
+from ray_forge.core.episode import Episode, Turn
+from ray_forge.core.sequence import SequenceBuilder
+from ray_forge.config.schema import ToolConfig
+from ray_forge.core.tools import ToolRunner, ToolStats
+
+
+@dataclass(frozen=True)
+class EpisodeRules:
+    """How a game is shown to the model, and what ends it early."""
+
+    mode: Literal["turns", "sequence"] = "turns"
+    max_turns: int = 12
+    """Model turns; a game still running after them ends, truncated, with the penalty."""
+    turn_tokens: int = 1
+    """Tokens the engine may sample in one turn."""
+    episode_tokens: int = 128
+    """Tokens of the whole sequence (prompt, turns, tool output); never more than the engine's
+    ``max_model_len`` either. An episode with no room left ends, truncated."""
+    penalty: float = -1.0
+    """Reward of a game that was truncated or whose env failed."""
+    strict_template: bool = False
+    """sequence mode: a chat template that rewrites earlier turns fails the game, naming the turn,
+    instead of starting a new segment."""
+    tools: ToolConfig = field(default_factory=ToolConfig)
+
+
+class Policy(Protocol):
+    def __call__(self, prompts: list, max_tokens: list[int], stop_ids: tuple[int, ...], call: int) -> Awaitable[list[Turn]]:
+        """One completion per prompt, in order: ``turns`` mode gives observation texts (the engine
+        encodes them), ``sequence`` mode token ids, each with its token budget and the ids that
+        end a turn. ``call`` counts this play's calls (the source of its sampling seed)."""
+        ...
+
+
+@dataclass
+class _Game:
+    group_id: int
+    seed: int
+    env: TextEnv
+    turns: list[Turn] = field(default_factory=list)
+    prompt: str = ""
+    """``turns`` mode: the observation the model answers next."""
+    builder: SequenceBuilder | None = None
+    reward: float = 0.0
+    error: str | None = None
+    truncated: str | None = None
+    done: bool = False
+    tools: ToolStats = field(default_factory=ToolStats)
+    void_turns: int = 0
+
+    def next_prompt(self) -> str | tuple[int, ...]:
+        return self.builder.prompt() if self.builder is not None else self.prompt
+
+    def end(self, reward: float | None = None, error: str | None = None, truncated: str | None = None) -> None:
+        self.done = True
+        if reward is not None:
+            self.reward = reward
+        self.error = error if truncated is None else f"truncated: {truncated}"
+        self.truncated = truncated
+
+
+class Play:
+    """One play of ``games`` (group id, seed) against ``policy``; ``run()`` returns their episodes."""
+
+    def __init__(self, games: list[tuple[int, int]], envs: list[TextEnv], policy: Policy, rules: EpisodeRules,
+                 *, chat: ChatFormat | None, max_model_len: int, threads: Executor | None,
+                 env_timeout_s: float) -> None:
+        """``chat``: the model's chat format, for ``sequence`` mode (None in ``turns`` mode)."""
+        if (rules.mode == "sequence") != (chat is not None):
+            raise ValueError(f"episode mode {rules.mode!r} {'needs' if chat is None else 'takes no'} chat format")
+        self.rules, self.policy, self.chat = rules, policy, chat
+        self.limit = min(rules.episode_tokens, max_model_len)
+        self.threads, self.env_timeout_s = threads, env_timeout_s
+        self.games = [_Game(gid, seed, env) for (gid, seed), env in zip(games, envs, strict=True)]
+        self.runner = ToolRunner(rules.tools) if chat is not None else None
+        self.calls = 0
+
+    async def run(self) -> list[Episode]:
+        try:
+            await self._gather(self._start, self.games)
+            in_flight: set[asyncio.Task] = set()
+            ready = [g for g in self.games if not g.done]
+            while True:
+                ready = self._fit(ready)
+                if ready:
+                    in_flight.add(asyncio.create_task(self._model_turn(ready)))
+                if not in_flight:
+                    break
+                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                ready = []
+                for task in done:
+                    for kind, batch in task.result():
+                        if kind == "model":
+                            in_flight |= self._env_turns(batch)
+                        else:
+                            ready += [g for g in batch if not g.done]
+        finally:
+            if self.runner is not None:
+                self.runner.close()
+        return [self._episode(g) for g in self.games]
+
+    # -- turns ------------------------------------------------------------------------------
+    def _fit(self, games: list[_Game]) -> list[_Game]:
+        """The games that may take another model turn; the others end, truncated."""
+        fit = []
+        for game in games:
+            if len(game.turns) >= self.rules.max_turns:
+                game.end(self.rules.penalty, truncated=f"still playing after {self.rules.max_turns} turns")
+            elif game.builder is not None and self.limit - len(game.builder) < 1:
+                game.end(self.rules.penalty, truncated=f"no room left in {self.limit} tokens")
+            else:
+                fit.append(game)
+        return fit
+
+    async def _model_turn(self, games: list[_Game]) -> list[tuple[str, list[_Game]]]:
+        call, self.calls = self.calls, self.calls + 1
+        prompts = [g.next_prompt() for g in games]
+        budgets = [min(self.rules.turn_tokens, self.limit - len(p)) if g.builder is not None else self.rules.turn_tokens
+                   for g, p in zip(games, prompts)]
+        stops = self.chat.stop_ids if self.chat is not None else ()
+        completions = await self.policy(prompts, budgets, stops, call)
+        for game, turn in zip(games, completions, strict=True):
+            game.turns.append(turn)
+        return [("model", games)]
+
+    def _env_turns(self, games: list[_Game]) -> set[asyncio.Task]:
+        if self.threads is None:  # cheap envs: the whole turn in one call
+            return {asyncio.create_task(self._gather(self._env_turn, games))}
+        return {asyncio.create_task(self._gather(self._env_turn, [g])) for g in games}
+
+    async def _gather(self, fn: Callable[[_Game], None], games: list[_Game]) -> list[tuple[str, list[_Game]]]:
+        """``fn`` for every game off the event loop: on the env's threads, one game each, or all
+        of them in one call for a cheap env. Under the run's env timeout."""
+        if self.threads is None:
+            work = asyncio.to_thread(lambda: [fn(g) for g in games])
+        else:
+            work = asyncio.gather(*(asyncio.wrap_future(self.threads.submit(fn, g)) for g in games))
+        try:
+            await asyncio.wait_for(work, self.env_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"an env turn of {len(games)} games did not finish within env.call_timeout_s="
+                               f"{self.env_timeout_s:.0f}s") from None
+        return [("env", games)]
+
+    # -- on a thread: the env's side of a game --------------------------------------------
+    def _start(self, game: _Game) -> None:
+        try:
+            observation = game.env.reset(game.seed)
+        except Exception as err:  # one game's failure must not end the batch
+            game.end(self.rules.penalty, f"env reset error: {err}")
+            return
+        if self.chat is None:
+            game.prompt = observation
+        else:
+            game.builder = SequenceBuilder(self.chat, [{"role": "user", "content": observation}],
+                                           self.rules.strict_template)
+
+    def _env_turn(self, game: _Game) -> None:
+        turn = game.turns[-1]
+        if game.builder is None:
+            self._step(game, turn.text)
+            return
+        text = self.chat.decode(turn.response_ids)
+        game.builder.add_model_turn(turn, text)
+        calls = parse_tool_calls(text) if self.tools_of(game) else []
+        if calls:
+            replies = self.runner.run(self.tools_of(game), calls, game.tools)
+            if replies is None:
+                game.end(self.rules.penalty, truncated=f"more than {self.rules.tools.max_calls} tool calls")
+            else:
+                self._reply(game, replies)
+            return
+        if "<tool_call>" not in text and not text.strip():
+            game.void_turns += 1
+        self._step(game, text)
+
+    def tools_of(self, game: _Game) -> dict:
+        return {tool.name: tool for tool in game.env.tools()}
+
+    def _step(self, game: _Game, text: str) -> None:
+        try:
+            result = game.env.step(text)
+        except Exception as err:  # a broken game must not kill the other games
+            result = StepResult("", self.rules.penalty, True, {"error": f"env error: {err}"})
+        game.reward += result.reward
+        if result.done:
+            game.end(error=result.info.get("error"))
+        elif game.builder is None:
+            game.prompt = result.observation
+        else:
+            self._reply(game, [{"role": "user", "content": result.observation}])
+
+    def _reply(self, game: _Game, messages: list[dict]) -> None:
+        try:
+            game.builder.add_env_turn(messages)
+        except Exception as err:  # strict template mode: the game fails, naming the turn
+            game.end(self.rules.penalty, f"{type(err).__name__}: {err}")
+
+    # -- results ----------------------------------------------------------------------------
+    def _episode(self, game: _Game) -> Episode:
+        stats = dict(tool_calls=float(game.tools.calls), void_turns=float(game.void_turns),
+                     **{f"tool_error_{k}": float(v) for k, v in game.tools.errors.items()})
+        segments = ()
+        if game.builder is not None:
+            segments = game.builder.segments()
+            stats["segments"] = float(game.builder.num_segments)
+        if game.truncated is not None:
+            stats["truncated"] = 1.0
+        return Episode(group_id=game.group_id, seed=game.seed, turns=tuple(game.turns), reward=game.reward,
+                       error=game.error, segments=segments, stats=stats,
+                       tool_latencies_s=tuple(game.tools.latencies_s))
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """What a batch of episodes says about tools and lengths: per-episode means, error counts,
+    latency percentiles, truncations by reason."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    totals = Counter()
+    for episode in episodes:
+        totals.update(episode.stats)
+    latencies = sorted(s for e in episodes for s in e.tool_latencies_s)
+    tokens = [sum(len(s.token_ids) for s in e.training_segments()) for e in episodes]
+    metrics = dict(tool_calls_per_episode=totals["tool_calls"] / n,
+                   tool_errors=float(sum(v for k, v in totals.items() if k.startswith("tool_error_"))),
+                   void_turns=totals["void_turns"], tokens_per_episode=sum(tokens) / n,
+                   segments_per_episode=totals["segments"] / n if "segments" in totals else 1.0,
+                   turns_per_episode=sum(len(e.turns) for e in episodes) / n)
+    metrics.update({k: float(v) for k, v in totals.items() if k.startswith("tool_error_")})
+    if latencies:
+        metrics.update(tool_latency_p50_s=statistics.median(latencies),
+                       tool_latency_p95_s=latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))])
+    reasons = Counter(_reason(e.error) for e in episodes if e.error and e.error.startswith("truncated: "))
+    metrics.update({f"truncated_{reason}": float(count) for reason, count in reasons.items()})
+    return metrics
+
+
+def _reason(error: str) -> str:
+    """A truncation's reason as a metric name: the limit that ended it."""
+    text = error.removeprefix("truncated: ")
+    return "max_turns" if "turns" in text else "tool_calls" if "tool calls" in text else "tokens"
