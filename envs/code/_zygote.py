@@ -226,9 +226,14 @@ class Zygote:
         """Read both pipes until they close and the child has ended, up to ``limit`` bytes each and
         until ``deadline``. When the child ends, whatever it left running is ended too, so the pipes
         it may have handed on close."""
-        pidfd = os.pidfd_open(pid)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            # Full isolation: the keeper ran its code and ended before its pid reached us, and its
+            # parent, the template, reaped it. Its PID namespace went with it; the pipes close.
+            pidfd = None
         buffers = {out_r: bytearray(), err_r: bytearray()}
-        open_fds, exited = [out_r, err_r], False
+        open_fds, exited = [out_r, err_r], pidfd is None
         try:
             while open_fds or not exited:
                 remaining = deadline - time.monotonic()
@@ -248,7 +253,8 @@ class Zygote:
                         return bytes(buffers[out_r][:limit]), bytes(buffers[err_r][:limit]), "output"
             return bytes(buffers[out_r]), bytes(buffers[err_r]), None
         finally:
-            os.close(pidfd)
+            if pidfd is not None:
+                os.close(pidfd)
 
     def _kill_rest(self, keeper: int) -> None:
         """Every process of the execution but the keeper (its status is still to read). With full
