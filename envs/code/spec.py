@@ -3,13 +3,14 @@ texts, its greedy evaluation and its pictures."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from envs.code.env import CodeEnv, show
-from envs.code.python_tool import ReplaySession
+from envs.code.python_tool import SCHEMA, ReplaySession
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import BUNDLED, Task, load_tasks
 from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayGreedy
@@ -78,7 +79,8 @@ def corpus(options: CodeOptions) -> list[str]:
     """The prompts, and the tests written as Python (``gcd(12, 18) == 6``)."""
     tests = [f"{task.entry_point}({', '.join(map(repr, call.args))}) == {call.expected!r}"
              for task in options.task_list() for call in task.tests]
-    return prompts(options) + tests
+    calls = [json.dumps({"name": "python", "arguments": {"code": code}}) for code in ("x = 1", "print(x)")]
+    return prompts(options) + tests + (calls + [json.dumps(SCHEMA)] if options.tool else [])
 
 
 def evaluate(options: CodeOptions, decide: Decide, make_env: EnvMaker, *, play: PlayGreedy,
@@ -90,8 +92,10 @@ def evaluate(options: CodeOptions, decide: Decide, make_env: EnvMaker, *, play: 
     task with its reward, error, tool calls and completion."""
     tasks = options.task_list()
     played = play(list(range(len(tasks))))
-    rows = [dict(id=task.id, kind=task.kind, reward=e.reward, error=e.error, completion=e.text,
-                 tool_calls=int(e.stats.get("tool_calls", 0)))
+    # The completion is the answer judged (the last turn); messages, the whole chat with tool calls.
+    rows = [dict(id=task.id, kind=task.kind, reward=e.reward, error=e.error,
+                 completion=e.turns[-1].text if e.turns else "", tool_calls=int(e.stats.get("tool_calls", 0)),
+                 messages=list(e.messages))
             for task, e in zip(tasks, played, strict=True)]
     metrics = {}
     for kind in [None, *sorted({row["kind"] for row in rows})]:

@@ -47,6 +47,9 @@ class EnvPool:
         self.action_words = first.action_words
         self._free.append(first)
         self._chat = None
+        if first.tools() and config.episode.mode != "sequence":
+            raise ValueError(f"env {env.spec.name!r} offers tools ({[t.name for t in first.tools()]}): they are called "
+                             "mid-episode, so set env.episode.mode=sequence")
         if config.episode.mode == "sequence":
             if tokenizer is None:
                 raise ValueError("env.episode.mode=sequence needs the model's tokenizer (its chat template)")

@@ -43,7 +43,8 @@ class TextEnv(Protocol):
 
     def tools(self) -> list:
         """The tools (``ray_forge.core.tools.Tool``) the model may call in this episode, bound to it
-        (a ``python`` tool's interpreter session); called after ``reset``. Only a ``sequence``
+        (a ``python`` tool's interpreter session). Asked once before any ``reset`` too, for the
+        tools' schemas, which the chat template lists. Only a ``sequence``
         episode offers them: ``env.episode.mode``."""
         return []
 

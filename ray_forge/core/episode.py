@@ -76,6 +76,8 @@ class Episode:
     """Counts of the episode's own (tool calls, tool errors, truncation), summed into the step's metrics."""
     tool_latencies_s: tuple[float, ...] = ()
     """How long each of its tool calls took."""
+    messages: tuple[dict, ...] = ()
+    """A ``sequence`` episode as a chat (user, assistant and tool messages): what a person reads."""
 
     @property
     def policy_version(self) -> int:

@@ -228,15 +228,15 @@ class Play:
     def _episode(self, game: _Game) -> Episode:
         stats = dict(tool_calls=float(game.tools.calls), void_turns=float(game.void_turns),
                      **{f"tool_error_{k}": float(v) for k, v in game.tools.errors.items()})
-        segments = ()
+        segments, messages = (), ()
         if game.builder is not None:
-            segments = game.builder.segments()
+            segments, messages = game.builder.segments(), tuple(game.builder.messages)
             stats["segments"] = float(game.builder.num_segments)
         if game.truncated is not None:
             stats["truncated"] = 1.0
         return Episode(group_id=game.group_id, seed=game.seed, turns=tuple(game.turns), reward=game.reward,
                        error=game.error, segments=segments, stats=stats,
-                       tool_latencies_s=tuple(game.tools.latencies_s))
+                       tool_latencies_s=tuple(game.tools.latencies_s), messages=messages)
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

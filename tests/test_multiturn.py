@@ -1,0 +1,185 @@
+"""Multi-turn tool episodes with the real parts: vLLM samples token in, token out; TorchTitan scores
+the whole sequence; the GRPO job trains on the code env with the python tool in the loop, in the
+local sandbox and in Together's Code Interpreter (a loopback server speaking its JSON)."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_forge.core.env import StepResult
+from tool_model import SECRET, make_tool_caller
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ["run.steps=3", "run.eval_every=3", "run.progress=false", "grpo.games_per_step=16", "grpo.group_size=8",
+       "policy.max_tokens=48", "policy.kv_cache_mb=64", "trainer.lr=1e-5", "cluster.include_dashboard=false"]
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> str:
+    from envs.code.spec import CodeOptions, corpus
+
+    return str(make_tool_caller(tmp_path_factory.mktemp("models") / "tool_caller", corpus(CodeOptions(tool=True))))
+
+
+class Checked:
+    """A two-call question: the answer is asked for once more, so every episode has four model turns."""
+
+    action_words = None
+
+    def __init__(self):
+        self.session: dict = {}
+
+    def reset(self, seed):
+        self.session.clear()
+        self.answers = 0
+        return "What is x?"
+
+    def step(self, text):
+        self.answers += 1
+        return StepResult("Check it once more.", float(SECRET in text), self.answers == 2)
+
+    def close(self):
+        pass
+
+    def tools(self):
+        from envs.code.python_tool import PythonTool, show
+        from envs.code.sandbox import ExecResult
+
+        class Session:  # a plain in-process namespace: the tool is not what this test is about
+            def __init__(self, namespace):
+                self.namespace = namespace
+
+            def execute(self, code):
+                import contextlib
+                import io
+
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    exec(code, self.namespace)
+                return ExecResult(out.getvalue(), "", 0, None, 0.0)
+
+        tool = PythonTool(Session(self.session))
+        assert show(ExecResult("", "", 0, None, 0.0)) == "[no output]"
+        return [tool]
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+def test_after_a_sync_the_engine_s_logprobs_of_a_tool_episode_equal_the_trainer_s(tool_model, ray_cluster):
+    """Every sampled token of 4-turn tool episodes: vLLM's behaviour logprob equals TorchTitan's on
+    the whole sequence within 1e-4 (fp32), after a training step was pushed to the engine."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from ray_forge.actors.policy import VLLMPolicy
+    from ray_forge.actors.trainer import TrainerActor
+    from ray_forge.actors.trainer_group import TrainerGroup
+    from ray_forge.config.schema import GRPOConfig, PolicyConfig, ToolConfig, TrainerConfig
+    from ray_forge.core.chat import ChatFormat
+    from ray_forge.core.episode import Sample
+    from ray_forge.core.play import EpisodeRules, Play
+    from ray_forge.weights import StoreSpec, WeightStore
+
+    policy = VLLMPolicy(PolicyConfig(constrain_to_actions=False, max_tokens=48, max_model_len=1024, kv_cache_mb=64),
+                        model_dir=tool_model, action_words=None)
+    rank = TrainerActor.options(num_cpus=0.5).remote(TrainerConfig(lr=1e-4), model_dir=tool_model, grpo=GRPOConfig(),
+                                                     total_steps=5, rank=0, allowed_token_ids=None)
+    trainer = TrainerGroup([rank], timeout_s=300)
+    store = WeightStore.create(StoreSpec(name="multiturn-sync", transport="shm"))
+    envs = [Checked() for _ in range(6)]
+    chat = ChatFormat(AutoTokenizer.from_pretrained(tool_model), [tool.schema for tool in envs[0].tools()])
+
+    async def engine(prompts, max_tokens, stop_ids, call):
+        return await asyncio.to_thread(policy.generate_ids, prompts, max_tokens, stop_ids, False, 1000 + call)
+
+    def play():
+        rules = EpisodeRules(mode="sequence", max_turns=4, turn_tokens=48, episode_tokens=1024,
+                             tools=ToolConfig(timeout_s=10))
+        return asyncio.run(Play([(i, i) for i in range(len(envs))], envs, engine, rules, chat=chat, max_model_len=1024,
+                                threads=None, env_timeout_s=60).run())
+
+    try:
+        trainer.setup()
+        first = play()
+        samples = [Sample.of_segment(s, advantage=1.0 if e.reward else -1.0) for e in first for s in e.segments]
+        asyncio.run(trainer.train_step(samples))
+        asyncio.run(trainer.publish_weights(store.spec, 1))
+        policy.update_weights(store.spec, 1)
+        episodes = play()
+        tool_episodes = [e for e in episodes if len(e.turns) == 4 and e.stats["tool_calls"] >= 2]
+        assert tool_episodes, [(len(e.turns), e.stats) for e in episodes]
+        for episode in episodes:
+            [segment] = episode.segments
+            ids = list(segment.token_ids)
+            logits = ray.get(rank.logits.remote([ids]), timeout=120)[0]
+            logprobs = torch.log_softmax(logits.float(), -1)
+            positions = [t for t, m in enumerate(segment.loss_mask) if m]
+            trainer_lp = torch.stack([logprobs[t - 1, ids[t]] for t in positions])
+            engine_lp = torch.tensor(segment.logprobs)
+            assert set(segment.token_versions) == {1}
+            assert (trainer_lp - engine_lp).abs().max().item() < 1e-4, (trainer_lp - engine_lp).abs().max()
+    finally:
+        trainer.shutdown()
+        ray.kill(rank)
+        store.destroy()
+        policy.shutdown()
+
+
+def _check_the_tool_kept_its_session(summary: dict, rows: list[dict]) -> None:
+    """The greedy evaluation's episodes set x in one call and read it in the next."""
+    tasks = summary["tasks"]
+    assert len(tasks) == 24
+    for task in tasks:
+        tools = [m["content"] for m in task["messages"] if m["role"] == "tool"]
+        assert tools[:2] == ["[no output]", SECRET], task["messages"]
+        assert task["tool_calls"] == 2
+    for row in rows:
+        assert row["tool_calls_per_episode"] > 0 and row["segments_per_episode"] == 1.0
+        assert row["tokens_per_episode"] > 100 and row["num_games"] == 16
+    assert rows[-1]["eval_return"] >= 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_a_three_step_job_of_the_multi_turn_code_env_in_the_local_sandbox(tool_model, ray_cluster, tmp_path):
+    from jobs import grpo
+
+    summary = grpo.main(["--config", str(ROOT / "jobs/configs/code_tools_tiny.yaml"), f"run.output_dir={tmp_path}",
+                         f"model.path={tool_model}", *JOB])
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _check_the_tool_kept_its_session(summary, rows)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_a_three_step_job_of_the_multi_turn_code_env_with_together_s_interpreter(tool_model, tmp_path):
+    """The job in a process of its own (its own local Ray cluster), whose env actors reach the
+    loopback server with the key from their environment, as a pod's would from a Secret."""
+    from ray_forge.run.directory import FINISHED_FILE
+    from together_server import TogetherServer
+
+    key = "test-key-multiturn"
+    with TogetherServer(key) as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(TOGETHER_API_KEY=key, TOGETHER_BASE_URL=server.url, PYTHONPATH=str(ROOT))
+        done = subprocess.run([sys.executable, "jobs/grpo.py", "--config", "jobs/configs/code_tools_tiny.yaml",
+                               f"run.output_dir={tmp_path}", f"model.path={tool_model}", "cluster.address=local",
+                               "env.options.code.backend=together", *JOB],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        executed = [r["body"]["code"] for r in server.behaviour.requests if r["body"]]
+    [run_dir] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = json.loads((run_dir / FINISHED_FILE).read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _check_the_tool_kept_its_session(summary, rows)
+    assert f"x = {SECRET}" in executed and "print(x)" in executed
+    assert key not in done.stdout + done.stderr  # the key is never logged

@@ -1,0 +1,88 @@
+"""A tiny Qwen3 taught, in a few seconds of plain supervised training, to call the python tool.
+
+A random-init model never writes a tool call, so the multi-turn tests start from one that has
+learned a fixed script by heart: set a variable in one call, print it in the next, then answer.
+Its demonstrations are built by the same sequence builder as the rollouts, so what it learns is
+exactly the token sequence a multi-turn episode is. Made locally; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from envs.code.env import show
+from envs.code.python_tool import SCHEMA
+from envs.code.tasks import load_tasks
+from ray_forge.config.schema import TinyModelConfig
+from ray_forge.core.chat import ChatFormat
+from ray_forge.core.episode import Turn
+from ray_forge.core.sequence import SequenceBuilder
+from ray_forge.models.tiny import make_tiny_qwen3
+
+SECRET = "7"
+SCRIPT = (
+    (f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": f"x = {SECRET}"}})}</tool_call>', "[no output]"),
+    (f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": "print(x)"}})}</tool_call>', SECRET),
+    ("```python\nprint(7)\n```<|im_end|>", None),
+)
+"""(what the model writes, what the tool answers) per turn; the last turn is the answer."""
+SHAPE = TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                        max_position_embeddings=1024, tokenizer="bpe", bpe_vocab_size=512)
+
+
+def demonstrations(chat: ChatFormat, prompts: list[str]):
+    """One (token ids, loss mask) per prompt: the script played through the sequence builder."""
+    rows = []
+    for prompt in prompts:
+        builder = SequenceBuilder(chat, [{"role": "user", "content": prompt}])
+        for text, output in SCRIPT:
+            ids = tuple(chat.tokenizer.encode(text, add_special_tokens=False))
+            builder.add_model_turn(Turn(builder.prompt(), ids, (0.0,) * len(ids), 0, token_versions=(0,) * len(ids)),
+                                   chat.decode(ids))
+            if output is not None:
+                builder.add_env_turn([{"role": "tool", "name": "python", "content": output}])
+        [segment] = builder.segments()
+        rows.append((segment.token_ids, segment.loss_mask))
+    return rows
+
+
+def make_tool_caller(folder: Path, corpus: list[str], max_steps: int = 400) -> Path:
+    """The tiny chat model in ``folder``, trained until it follows the script on every bundled task."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    make_tiny_qwen3(folder, corpus, SHAPE, chat=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat = ChatFormat(tokenizer, [SCHEMA])
+    rows = demonstrations(chat, [show(task, tool=True) for task in load_tasks()])
+    width = max(len(ids) for ids, _ in rows)
+    inputs = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for r, (ids, mask) in enumerate(rows):
+        inputs[r, :len(ids)] = torch.tensor(ids)
+        labels[r, :len(ids)] = torch.where(torch.tensor(mask) > 0, torch.tensor(ids), -100)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(max_steps):
+        out = model(input_ids=inputs, labels=labels)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 20 == 19 and _learned(model, inputs, labels):
+            break
+    else:
+        raise RuntimeError(f"the tool script was not learned in {max_steps} steps")
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@torch.no_grad()
+def _learned(model, inputs, labels) -> bool:
+    """Every scripted token is the greedy choice after its own prefix."""
+    logits = model(input_ids=inputs).logits[:, :-1]
+    targets = labels[:, 1:]
+    picked = targets != -100
+    return bool((logits.argmax(-1)[picked] == targets[picked]).all())
