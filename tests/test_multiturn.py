@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_forge.core.env import StepResult
-from tool_model import SECRET, make_tool_caller
+from bench.tool_model import SECRET, CheckedAnswer, make_tool_caller
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ["run.steps=3", "run.eval_every=3", "run.progress=false", "grpo.games_per_step=16", "grpo.group_size=8",
@@ -25,48 +24,6 @@ def tool_model(tmp_path_factory) -> str:
     from envs.code.spec import CodeOptions, corpus
 
     return str(make_tool_caller(tmp_path_factory.mktemp("models") / "tool_caller", corpus(CodeOptions(tool=True))))
-
-
-class Checked:
-    """A two-call question: the answer is asked for once more, so every episode has four model turns."""
-
-    action_words = None
-
-    def __init__(self):
-        self.session: dict = {}
-
-    def reset(self, seed):
-        self.session.clear()
-        self.answers = 0
-        return "What is x?"
-
-    def step(self, text):
-        self.answers += 1
-        return StepResult("Check it once more.", float(SECRET in text), self.answers == 2)
-
-    def close(self):
-        pass
-
-    def tools(self):
-        from envs.code.python_tool import PythonTool, show
-        from envs.code.sandbox import ExecResult
-
-        class Session:  # a plain in-process namespace: the tool is not what this test is about
-            def __init__(self, namespace):
-                self.namespace = namespace
-
-            def execute(self, code):
-                import contextlib
-                import io
-
-                out = io.StringIO()
-                with contextlib.redirect_stdout(out):
-                    exec(code, self.namespace)
-                return ExecResult(out.getvalue(), "", 0, None, 0.0)
-
-        tool = PythonTool(Session(self.session))
-        assert show(ExecResult("", "", 0, None, 0.0)) == "[no output]"
-        return [tool]
 
 
 @pytest.mark.vllm
@@ -92,7 +49,7 @@ def test_after_a_sync_the_engine_s_logprobs_of_a_tool_episode_equal_the_trainer_
                                                      total_steps=5, rank=0, allowed_token_ids=None)
     trainer = TrainerGroup([rank], timeout_s=300)
     store = WeightStore.create(StoreSpec(name="multiturn-sync", transport="shm"))
-    envs = [Checked() for _ in range(6)]
+    envs = [CheckedAnswer() for _ in range(6)]
     chat = ChatFormat(AutoTokenizer.from_pretrained(tool_model), [tool.schema for tool in envs[0].tools()])
 
     async def engine(prompts, max_tokens, stop_ids, call):

