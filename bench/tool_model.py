@@ -36,6 +36,27 @@ SCRIPT = (
     ("```python\nprint(7)\n```<|im_end|>", None),
 )
 """(what the model writes, what the tool answers) per turn; the last turn is the answer."""
+# A model folder's own template, in Qwen3's format and written here, not the tiny model's: Qwen3's
+# tool header, JSON calls on lines of their own, and an earlier answer's reasoning dropped once a
+# new user query follows (so it rewrites earlier turns, which the sequence builder must notice).
+FOLDER_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% if tools %}<|im_start|>system{{ '\\n' }}# Tools{{ '\\n' }}{{ '\\n' }}You may call one or more functions to "
+    "assist with the user query.{{ '\\n' }}<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools><|im_end|>{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant{{ '\\n' }}"
+    "{% if loop.index0 > ns.last %}{{ m.content }}{% else %}{{ m.content.split('</think>')[-1] }}{% endif %}"
+    "{% for call in m.tool_calls or [] %}<tool_call>{{ '\\n' }}{{ {'name': call.function.name, "
+    "'arguments': call.function.arguments} | tojson }}{{ '\\n' }}</tool_call>{% endfor %}<|im_end|>{{ '\\n' }}"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>{{ '\\n' }}{{ m.content }}{{ '\\n' }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% else %}<|im_start|>{{ m.role }}{{ '\\n' }}{{ m.content }}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
+)
 SHAPE = TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
                         max_position_embeddings=1024, tokenizer="bpe", bpe_vocab_size=512)
 
@@ -57,11 +78,14 @@ def demonstrations(chat: ChatFormat, prompts: list[str]):
 
 
 def make_tool_caller(folder: Path, corpus: list[str], max_steps: int = 400) -> Path:
-    """The tiny chat model in ``folder``, trained until it follows the script on every bundled task."""
+    """The tiny chat model in ``folder`` with :data:`FOLDER_TEMPLATE`, trained until it follows the
+    script on every bundled task."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     make_tiny_qwen3(folder, corpus, SHAPE, chat=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = FOLDER_TEMPLATE  # the folder's own, which the job must use
+    tokenizer.save_pretrained(folder)
     chat = ChatFormat(tokenizer, [SCHEMA])
     rows = demonstrations(chat, [show(task, tool=True) for task in load_tasks()])
     width = max(len(ids) for ids, _ in rows)

@@ -166,3 +166,17 @@ def test_logprobs_follow_the_sampling_temperature():
     lp, _ = token_logprobs_and_entropy(logits, torch.tensor([[1]]), temperature=2.0)
     # softmax([0, ln3]/2) = [1, sqrt 3] / (1 + sqrt 3)
     assert lp.item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)
+
+
+def test_an_episode_pickled_before_its_newer_fields_loads_with_their_defaults():
+    """A checkpoint's buffer written by an older version holds episodes without segments, stats,
+    tool latencies or messages; resumed, they train as their turns did."""
+    import pickle
+
+    episode = Episode(group_id=0, seed=1, turns=(Turn((1, 2), (7,), (-0.1,), 3),), reward=1.0)
+    state = {k: v for k, v in episode.__dict__.items() if k in ("group_id", "seed", "turns", "reward", "error")}
+    old = Episode.__new__(Episode)
+    old.__setstate__(dict(state))  # what unpickling an older episode does
+    assert old.segments == () and old.stats == {} and old.tool_latencies_s == () and old.messages == ()
+    assert [s.token_ids for s in episodes_to_samples([old], [0.5])] == [(1, 2, 7)]
+    assert pickle.loads(pickle.dumps(old)) == old

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.tool_model import SECRET, CheckedAnswer, make_tool_caller
+from bench.tool_model import FOLDER_TEMPLATE, SECRET, CheckedAnswer, make_tool_caller
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ["run.steps=3", "run.eval_every=3", "run.progress=false", "grpo.games_per_step=16", "grpo.group_size=8",
@@ -108,6 +108,11 @@ def _check_the_tool_kept_its_session(summary: dict, rows: list[dict]) -> None:
 def test_a_three_step_job_of_the_multi_turn_code_env_in_the_local_sandbox(tool_model, ray_cluster, tmp_path):
     from jobs import grpo
 
+    from ray_forge.actors.launch import chat_tokenizer
+    from ray_forge.core.chat import TINY_TEMPLATE
+
+    # The folder's own template (Qwen3's format, written by the test), not the tiny model's, renders the episodes.
+    assert chat_tokenizer(tool_model).chat_template == FOLDER_TEMPLATE != TINY_TEMPLATE
     summary = grpo.main(["--config", str(ROOT / "jobs/configs/code_tools_tiny.yaml"), f"run.output_dir={tmp_path}",
                          f"model.path={tool_model}", *JOB])
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

@@ -29,6 +29,19 @@ REWRITING_TEMPLATE = (
 )
 
 
+# Qwen3's other rule: the last assistant turn after the query gets a reasoning block, empty when
+# the model wrote none; once a tool result follows, that turn is rendered without it.
+LAST_TURN_THINKS_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant{{ '\\n' }}"
+    "{% if loop.last %}<think>{{ '\\n' }}{{ '\\n' }}</think>{{ '\\n' }}{{ '\\n' }}{% endif %}{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>{{ '\\n' }}"
+    "{% elif m.role == 'tool' %}<|im_start|>user{{ '\\n' }}<tool_response>{{ m.content }}</tool_response><|im_end|>{{ '\\n' }}"
+    "{% else %}<|im_start|>{{ m.role }}{{ '\\n' }}{{ m.content }}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def tok():
     return build_tokenizer(CORPUS, "bpe", 400, chat=True)
@@ -102,11 +115,11 @@ def test_a_template_that_rewrites_earlier_turns_is_detected(tok):
     turn = sampled(tok, builder, "<think>x = 41</think>hello<|im_end|>")
     builder.add_model_turn(turn, chat.decode(turn.response_ids))
     assert builder.add_env_turn([{"role": "user", "content": "again"}]) is False
-    assert builder.num_segments == 2
     second = sampled(tok, builder, "world<|im_end|>")
     # The new segment starts from the template's own rendering: the reasoning is gone from it.
     assert "x = 41" not in tok.decode(list(second.prompt_ids), skip_special_tokens=False)
     builder.add_model_turn(second, chat.decode(second.response_ids))
+    assert builder.num_segments == 2
     first, last = builder.segments()
     assert first.token_ids[-len(turn.response_ids):] == turn.response_ids
     assert last.token_ids == second.prompt_ids + second.response_ids
@@ -192,3 +205,18 @@ def test_one_sequence_gives_the_loss_and_gradient_of_its_turns_as_prefix_samples
     assert loss_one == pytest.approx(loss_many, rel=1e-6)
     assert torch.allclose(grad_one, grad_many, rtol=1e-5, atol=1e-7) and grad_one.abs().sum() > 0
     assert len(whole.token_ids) < sum(len(s.token_ids) for s in per_turn)
+
+
+def test_a_template_that_renders_the_last_turn_its_own_way_still_appends_tool_turns(tok):
+    """Qwen3 gives the last assistant turn an empty reasoning block and drops it once a tool result
+    follows: not a rewrite of anything the model wrote, so a tool episode stays one segment."""
+    tok = build_tokenizer(CORPUS, "bpe", 400, chat=True)
+    tok.chat_template = LAST_TURN_THINKS_TEMPLATE
+    chat = ChatFormat(tok, TOOLS)
+    builder, turns = play_tool_episode(tok, chat, calls=3)
+    [segment] = builder.segments()
+    assert [t for t, m in zip(segment.token_ids, segment.loss_mask) if m] == [t for u in turns for t in u.response_ids]
+    # What the engine is given after a tool result is the template's own rendering of it.
+    last = turns[-1].prompt_ids
+    assert tok.decode(list(last), skip_special_tokens=False).endswith(
+        "<tool_response>43</tool_response><|im_end|>\n<|im_start|>assistant\n")

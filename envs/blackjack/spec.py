@@ -9,7 +9,7 @@ from envs.blackjack.env import BlackjackTextEnv, render_state
 from envs.blackjack.exact import all_states
 from envs.blackjack.plots import reference_returns, run_pictures
 from envs.blackjack.policy_eval import evaluate as evaluate_policy
-from ray_forge.core.env import Decide, EnvMaker, EnvSpec
+from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayGreedy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,10 +28,11 @@ def make_envs(options: BlackjackOptions, invalid_action_penalty: float) -> EnvMa
     return EnvMaker(lambda: BlackjackTextEnv(invalid_action_penalty=invalid_action_penalty))
 
 
-def evaluate(options: BlackjackOptions, decide: Decide, make_env: EnvMaker, *, invalid_action_penalty: float,
-             final: bool) -> tuple[dict[str, float], dict]:
+def evaluate(options: BlackjackOptions, decide: Decide, make_env: EnvMaker, *, play: PlayGreedy,
+             invalid_action_penalty: float, final: bool) -> tuple[dict[str, float], dict]:
     """The exact return of the greedy decision table (and, at the end, a Monte-Carlo cross-check);
-    an unreadable answer is worth the run's penalty, as in training."""
+    an unreadable answer is worth the run's penalty, as in training. The table asks ``decide``
+    each of the 360 states as a game's first turn (``play`` is not needed)."""
     result = evaluate_policy(decide, mc_games=options.mc_games if final else 0,
                              invalid_action_penalty=invalid_action_penalty)
     metrics = {"return": result["exact_return"], "agreement": result["agreement"],

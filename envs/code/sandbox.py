@@ -44,6 +44,9 @@ _CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHON
               "PYTHONHASHSEED": "0"}
 ISOLATION_LEVELS = ("full", "none")
 _STARTUP_REPLY_BYTES = 64 * 1024
+QUEUE_DEPTH = 64
+"""Executions that may wait for an interpreter at once (an env actor's turn threads, when its
+games call the python tool): how long a wait for a free interpreter may last follows from it."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,8 @@ class LocalSandbox(Executor):
     def execute(self, code: str, limits: Limits | None = None) -> ExecResult:
         limits = limits or self.limits
         try:
-            slot, zygote = self._idle.get(timeout=limits.wall_s + 60)
+            # At most QUEUE_DEPTH executions wait for an interpreter, each ahead using its whole wall clock.
+            slot, zygote = self._idle.get(timeout=(limits.wall_s + 10) * -(-QUEUE_DEPTH // len(self._ids)) + 60)
         except queue.Empty:
             raise SandboxError("no sandbox interpreter became free in time") from None
         try:

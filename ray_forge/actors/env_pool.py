@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 TURN_THREADS = 64
-"""Env turns in flight at once on an env actor whose env waits on something (``EnvSpec.concurrency`` > 1)."""
+"""Env turns in flight at once on an env actor whose games call tools."""
 
 
 class EnvPool:
@@ -61,11 +61,11 @@ class EnvPool:
         # Envs that wait on execution or a server (code, openenv) run in parallel; cheap envs
         # run in this thread.
         concurrency = env.concurrency()
-        # Their env turns mostly wait (on an interpreter of the sandbox, which admits
-        # ``concurrency`` executions, on a server, on a tool): enough threads that no game waits
-        # for another's turn to end.
-        self._threads = ThreadPoolExecutor(max(TURN_THREADS, concurrency), thread_name_prefix="env-turn") \
-            if concurrency > 1 else None
+        # An env that waits (a sandbox, a server) steps ``concurrency`` games at once; one whose
+        # games call tools mid-episode gives every game in flight a thread of its own, so a slow
+        # tool holds only its game (its sandbox still admits ``concurrency`` executions at once).
+        threads = max(TURN_THREADS, concurrency) if first.tools() else concurrency
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="env-turn") if threads > 1 else None
         self._lock = threading.RLock()
 
     def _map(self, fn, *iterables) -> list:
@@ -134,13 +134,19 @@ class EnvPool:
             envs = [self._free.pop() if self._free else self._make() for _ in games]
             self._batches[key] = envs
         try:
-            return await Play(games, envs, engine, settings.episode_rules(), chat=self._chat,
-                              max_model_len=settings.max_model_len, threads=self._threads,
-                              env_timeout_s=settings.env_timeout_s).run()
-        except TimeoutError as err:  # an env turn that hangs: not a death, the run stops naming it
-            raise RemoteCallError(f"{self._name()}.step: {err}", f"{self._name()}.step") from None
-        finally:
-            self.release(key)  # also after a failure: the batch is replayed elsewhere
+            episodes = await Play(games, envs, engine, settings.episode_rules(), chat=self._chat,
+                                  max_model_len=settings.max_model_len, threads=self._threads,
+                                  env_timeout_s=settings.env_timeout_s).run()
+        except BaseException as err:
+            # The batch is replayed elsewhere; a thread of this play may still hold one of its envs
+            # (a tool call, a judge), so none of them is dealt again.
+            with self._lock:
+                self._batches.pop(key, None)
+            if isinstance(err, TimeoutError):  # an env turn that hangs: not a death, the run stops naming it
+                raise RemoteCallError(f"{self._name()}.step: {err}", f"{self._name()}.step") from None
+            raise
+        self.release(key)
+        return episodes
 
     def _engine(self, policy, policy_name: str, settings: RolloutSettings, groups: list[tuple[int, int]]):
         """The game loop's policy: calls of ``policy`` (an engine actor) under the rollout's timeout,
@@ -166,9 +172,16 @@ class EnvPool:
                                      group_size=1)
 
         def decide(prompts: list[str]) -> list[str]:
-            # Ahead of the rollouts' requests: the training loop waits for this evaluation.
-            return [turn.text for turn in get(policy.generate.remote(prompts, True, None, -1), timeout_s=timeout_s,
-                                              what=f"{policy_name}.generate")]
+            # Ahead of the rollouts' requests: the training loop waits for this evaluation. In a
+            # sequence run each prompt is the first turn of a chat, as the model was trained on it.
+            if self._chat is None:
+                ref = policy.generate.remote(prompts, True, None, -1)
+            else:
+                ids = [tuple(self._chat.render([{"role": "user", "content": p}], True)) for p in prompts]
+                ref = policy.generate_ids.remote(ids, [greedy.rules.turn_tokens] * len(ids), self._chat.stop_ids, True,
+                                                 None, -1)
+            turns = get(ref, timeout_s=timeout_s, what=f"{policy_name}.generate")
+            return [turn.text if self._chat is None else self._chat.decode(turn.response_ids) for turn in turns]
 
         def play(seeds: list[int]) -> list[Episode]:
             games = [(i, seed) for i, seed in enumerate(seeds)]

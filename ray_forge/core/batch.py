@@ -89,4 +89,5 @@ def groups_to_samples(groups: list[list[Episode]], merge: bool,
     if merge:
         samples = merge_identical(samples)
     stats["num_rows"] = len(samples)
+    stats["row_tokens"] = sum(len(s.token_ids) for s in samples)  # what the trainer's forward runs over
     return samples, stats

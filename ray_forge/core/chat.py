@@ -22,6 +22,7 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<tool_response>", "</tool_response>")
 """The tokens a chat tokenizer needs whole; ``<|im_end|>`` ends a turn."""
 END_OF_TURN = "<|im_end|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 # Qwen3's format without its reasoning blocks (a tiny model does not think): a system turn that
 # lists the tools, assistant tool calls as JSON in <tool_call> tags, and consecutive tool results

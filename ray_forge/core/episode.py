@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,13 @@ class Episode:
     """How long each of its tool calls took."""
     messages: tuple[dict, ...] = ()
     """A ``sequence`` episode as a chat (user, assistant and tool messages): what a person reads."""
+
+    def __setstate__(self, state: dict) -> None:
+        # An episode pickled before a field existed (a checkpoint of an older version) gets its default.
+        for f in fields(self):
+            if f.name not in state:
+                state[f.name] = f.default_factory() if f.default_factory is not MISSING else f.default
+        self.__dict__.update(state)
 
     @property
     def policy_version(self) -> int:

@@ -18,17 +18,18 @@ as one batched call per turn allows.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 from collections import Counter
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Literal, Protocol
 
-from ray_forge.core.chat import ChatFormat, parse_tool_calls
-from ray_forge.core.env import StepResult, TextEnv
-from ray_forge.core.episode import Episode, Turn
-from ray_forge.core.sequence import SequenceBuilder
 from ray_forge.config.schema import ToolConfig
+from ray_forge.core.chat import CHAT_TOKENS, ChatFormat, parse_tool_calls
+from ray_forge.core.env import TextEnv
+from ray_forge.core.episode import Episode, Turn
+from ray_forge.core.sequence import SequenceBuilder, TemplateRewrite
 from ray_forge.core.tools import ToolRunner, ToolStats
 
 
@@ -98,15 +99,22 @@ class Play:
             raise ValueError(f"episode mode {rules.mode!r} {'needs' if chat is None else 'takes no'} chat format")
         self.rules, self.policy, self.chat = rules, policy, chat
         self.limit = min(rules.episode_tokens, max_model_len)
-        self.threads, self.env_timeout_s = threads, env_timeout_s
+        self.env_timeout_s = env_timeout_s
         self.games = [_Game(gid, seed, env) for (gid, seed), env in zip(games, envs, strict=True)]
         self.runner = ToolRunner(rules.tools) if chat is not None else None
+        # Games whose env turns call tools go on by themselves, each on its own thread; the others
+        # play in lockstep, every turn's env turns together, so each model call holds the same games
+        # in the same order (a replay draws the same completions) and shares their prompts.
+        self.independent = chat is not None and bool(envs) and bool(envs[0].tools())
+        self._own_threads = ThreadPoolExecutor(min(64, len(envs)), thread_name_prefix="turn") \
+            if self.independent and threads is None else None
+        self.threads = threads or self._own_threads
         self.calls = 0
 
     async def run(self) -> list[Episode]:
+        in_flight: set[asyncio.Task] = set()
         try:
             await self._gather(self._start, self.games)
-            in_flight: set[asyncio.Task] = set()
             ready = [g for g in self.games if not g.done]
             while True:
                 ready = self._fit(ready)
@@ -122,9 +130,17 @@ class Play:
                             in_flight |= self._env_turns(batch)
                         else:
                             ready += [g for g in batch if not g.done]
+        except BaseException:
+            # Nothing of a failed play may go on using its envs: the caller discards them.
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            raise
         finally:
             if self.runner is not None:
                 self.runner.close()
+            if self._own_threads is not None:
+                self._own_threads.shutdown(wait=False, cancel_futures=True)
         return [self._episode(g) for g in self.games]
 
     # -- turns ------------------------------------------------------------------------------
@@ -152,7 +168,7 @@ class Play:
         return [("model", games)]
 
     def _env_turns(self, games: list[_Game]) -> set[asyncio.Task]:
-        if self.threads is None:  # cheap envs: the whole turn in one call
+        if not self.independent:
             return {asyncio.create_task(self._gather(self._env_turn, games))}
         return {asyncio.create_task(self._gather(self._env_turn, [g])) for g in games}
 
@@ -174,31 +190,43 @@ class Play:
     def _start(self, game: _Game) -> None:
         try:
             observation = game.env.reset(game.seed)
+            if self.chat is None:
+                game.prompt = observation
+            else:
+                game.builder = SequenceBuilder(self.chat, [_user(observation)], self.rules.strict_template)
         except Exception as err:  # one game's failure must not end the batch
             game.end(self.rules.penalty, f"env reset error: {err}")
-            return
-        if self.chat is None:
-            game.prompt = observation
-        else:
-            game.builder = SequenceBuilder(self.chat, [{"role": "user", "content": observation}],
-                                           self.rules.strict_template)
 
     def _env_turn(self, game: _Game) -> None:
+        try:
+            self._answer(game)
+        except TemplateRewrite:
+            raise  # strict template mode: the run stops, naming the turn
+        except Exception as err:  # one game's failure must not end the batch
+            game.end(self.rules.penalty, f"env error: {type(err).__name__}: {err}")
+
+    def _answer(self, game: _Game) -> None:
         turn = game.turns[-1]
         if game.builder is None:
             self._step(game, turn.text)
             return
         text = self.chat.decode(turn.response_ids)
+        room = self.limit - len(game.builder)
         game.builder.add_model_turn(turn, text)
-        calls = parse_tool_calls(text) if self.tools_of(game) else []
+        if len(turn.response_ids) >= room and (not turn.response_ids or turn.response_ids[-1] not in self.chat.stop_ids):
+            # Cut off by the room left, not by the turn's own budget: no answer to judge.
+            game.end(self.rules.penalty, truncated=f"no room left in {self.limit} tokens")
+            return
+        tools = self.tools_of(game)
+        calls = parse_tool_calls(text) if tools else []
         if calls:
-            replies = self.runner.run(self.tools_of(game), calls, game.tools)
+            replies = self.runner.run(tools, calls, game.tools)
             if replies is None:
                 game.end(self.rules.penalty, truncated=f"more than {self.rules.tools.max_calls} tool calls")
             else:
-                self._reply(game, replies)
+                game.builder.add_env_turn([dict(m, content=escape(m["content"])) for m in replies])
             return
-        if "<tool_call>" not in text and not text.strip():
+        if not text.strip():
             game.void_turns += 1
         self._step(game, text)
 
@@ -206,37 +234,42 @@ class Play:
         return {tool.name: tool for tool in game.env.tools()}
 
     def _step(self, game: _Game, text: str) -> None:
-        try:
-            result = game.env.step(text)
-        except Exception as err:  # a broken game must not kill the other games
-            result = StepResult("", self.rules.penalty, True, {"error": f"env error: {err}"})
+        result = game.env.step(text)
         game.reward += result.reward
         if result.done:
             game.end(error=result.info.get("error"))
         elif game.builder is None:
             game.prompt = result.observation
         else:
-            self._reply(game, [{"role": "user", "content": result.observation}])
-
-    def _reply(self, game: _Game, messages: list[dict]) -> None:
-        try:
-            game.builder.add_env_turn(messages)
-        except Exception as err:  # strict template mode: the game fails, naming the turn
-            game.end(self.rules.penalty, f"{type(err).__name__}: {err}")
+            game.builder.add_env_turn([_user(result.observation)])
 
     # -- results ----------------------------------------------------------------------------
     def _episode(self, game: _Game) -> Episode:
         stats = dict(tool_calls=float(game.tools.calls), void_turns=float(game.void_turns),
                      **{f"tool_error_{k}": float(v) for k, v in game.tools.errors.items()})
-        segments, messages = (), ()
+        segments, messages, turns = (), (), tuple(game.turns)
         if game.builder is not None:
             segments, messages = game.builder.segments(), tuple(game.builder.messages)
+            # Each turn's prompt is the whole prefix, already in the segment: not kept twice.
+            turns = tuple(dataclasses.replace(t, prompt_ids=()) for t in turns)
             stats["segments"] = float(game.builder.num_segments)
         if game.truncated is not None:
             stats["truncated"] = 1.0
-        return Episode(group_id=game.group_id, seed=game.seed, turns=tuple(game.turns), reward=game.reward,
+        return Episode(group_id=game.group_id, seed=game.seed, turns=turns, reward=game.reward,
                        error=game.error, segments=segments, stats=stats,
                        tool_latencies_s=tuple(game.tools.latencies_s), messages=messages)
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": escape(text)}
+
+
+def escape(content: str) -> str:
+    """Env and tool text with the chat format's control tokens broken up: a program that prints
+    ``<|im_end|>`` must not end its own turn or forge the model's."""
+    for token in CHAT_TOKENS:
+        content = content.replace(token, token[0] + "\u200b" + token[1:])
+    return content
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

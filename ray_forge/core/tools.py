@@ -61,11 +61,12 @@ def _truncated(text: str, limit: int) -> str:
 
 
 class ToolRunner:
-    """Runs an episode's calls under the limits, each on a thread of its own so a call that hangs
-    is given up on after ``timeout_s`` (the tool's own limits, such as the sandbox's wall clock,
-    end it)."""
+    """Runs a play's calls under the limits, on its own threads, so a call that hangs is given up
+    on after ``timeout_s`` (waiting for a free thread or interpreter counts); the tool's own limits
+    (the sandbox's wall clock, the interpreter client's timeout) end it. Keep ``timeout_s`` above
+    those, so that a call is given up on only when it is really stuck."""
 
-    def __init__(self, limits: ToolConfig, threads: int = 16) -> None:
+    def __init__(self, limits: ToolConfig, threads: int = 64) -> None:
         self.limits = limits
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tool")
 
@@ -90,6 +91,7 @@ class ToolRunner:
         try:
             output = future.result(timeout=self.limits.timeout_s)
         except FutureTimeout:
+            future.cancel()  # one still queued never runs; one running is ended by its own limits
             stats.error("timeout")
             output = f"Error: the call did not finish within {self.limits.timeout_s:g} s."
         except Exception as err:  # the tool failed: the model is told, the episode goes on
