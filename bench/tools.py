@@ -69,11 +69,19 @@ async def play(fleet: Fleet, settings: RolloutSettings, batches: range, per_batc
 
 
 def tokens(episodes: list) -> dict[str, float]:
-    """Tokens a trainer runs per episode: one sequence against one sample per turn."""
+    """Tokens a trainer runs per episode: one sequence against one sample per turn (each turn's
+    prompt the whole prefix: a sample ends where its turn's last sampled token is)."""
     one = [sum(len(s.token_ids) for s in e.segments) for e in episodes]
-    per_turn = [sum(len(t.prompt_ids) + len(t.response_ids) for t in e.turns) for e in episodes]
+    per_turn = [sum(turn_ends(s) for s in e.segments) for e in episodes]
     return dict(sequence=statistics.mean(one), per_turn=statistics.mean(per_turn),
                 ratio=round(statistics.mean(per_turn) / statistics.mean(one), 2))
+
+
+def turn_ends(segment) -> int:
+    """The lengths of the per-turn samples of ``segment``, added up: each run of sampled tokens
+    is one turn, whose sample is the segment up to its end."""
+    mask = segment.loss_mask
+    return sum(i + 1 for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1]))
 
 
 def main() -> None:
@@ -106,7 +114,8 @@ def main() -> None:
             results[name] = dict(seconds=round(seconds, 2), episodes_per_s=round(len(episodes) / seconds, 2),
                                  tool_calls_per_episode=statistics.mean(e.stats["tool_calls"] for e in episodes),
                                  turns_per_episode=statistics.mean(len(e.turns) for e in episodes),
-                                 tokens=tokens(episodes))
+                                 tokens_all=tokens(episodes),
+                                 tokens_4_turns=tokens([e for e in episodes if len(e.turns) == 4]))
             ray.kill(env)
         ray.kill(policy)
     finally:
