@@ -162,3 +162,33 @@ def test_the_env_actor_stays_alive_after_a_hostile_program(ray_cluster):
         assert ray_cluster.get(actor.get_action_words.remote(), timeout=30) is None  # still answering
     finally:
         ray_cluster.kill(actor)
+
+
+def test_the_python_tool_keeps_one_session_per_episode_in_the_sandbox(env):
+    """The local sandbox keeps nothing between executions; the tool's session replays the
+    episode's earlier cells, so state persists, and a new episode starts afresh."""
+    from envs.code.python_tool import PythonTool, ReplaySession
+
+    session = ReplaySession(env.executor)
+    tool = PythonTool(session)
+    assert tool({"code": "x = 7"}) == "[no output]"
+    assert tool({"code": "print(x)"}) == "7"
+    assert tool({"code": "from __future__ import annotations\nprint(x + 1)"}) == "8"  # a cell is its own module
+    assert "line 1" in tool({"code": "1 / 0"}) and "ZeroDivisionError" in tool({"code": "1 / 0"})
+    assert tool({"code": "globals().clear()"}) == "[no output]"  # a cell cannot break the replay
+    assert tool({"code": "x = 9"}) == "[no output]" and tool({"code": "print(x)"}) == "9"
+    session.new_session()
+    assert tool({"code": "y = 1"}) == "[no output]"
+    assert "[stopped: " in tool({"code": "while True: pass"})
+    assert tool({"code": "print(y)"}) == "1"  # the cell the sandbox stopped is not run again
+    assert "NameError" in tool({"code": "print(x)"})
+    with pytest.raises(TypeError, match="takes"):
+        tool({"code": 3})
+
+
+def test_the_python_tool_needs_full_isolation():
+    from envs.code.spec import CodeOptions
+
+    with pytest.raises(ValueError, match="tool = true needs isolation = full"):
+        CodeOptions(tool=True, isolation="none")
+    assert CodeOptions(tool=True, backend="together", isolation="none").tool

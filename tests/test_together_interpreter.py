@@ -97,3 +97,18 @@ def test_the_code_env_scores_through_the_code_interpreter(server):
     assert env.executor.session_id is None
     assert env.step("```python\ndef gcd(a, b):\n    return 6\n```").reward == pytest.approx(0.25)
     assert env.executor.session_id != first_session
+
+
+def test_a_call_that_returns_after_its_episode_ended_does_not_hand_its_session_on():
+    """The python tool gives up on a slow call; when it returns, the next episode has started and
+    must not find itself in the old episode's session."""
+    from envs.code.together_interpreter import TogetherCodeInterpreter
+
+    class LateClient:
+        def post(self, path, body, cast_to):
+            interpreter.new_session()  # the episode ended while this call was in flight
+            return {"data": {"outputs": [{"type": "stdout", "data": "late"}], "session_id": "old"}, "errors": None}
+
+    interpreter = TogetherCodeInterpreter(client=LateClient())
+    assert interpreter.execute("x = 1").stdout == "late"
+    assert interpreter.session_id is None

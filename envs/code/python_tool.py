@@ -7,7 +7,8 @@ One interpreter session per episode, so a variable set in one call is there in t
   nothing. :class:`ReplaySession` gives it a session by running the episode's earlier cells again,
   their output discarded, before the new one. The state is the same for code that is
   deterministic; a cell that draws random numbers or reads the clock gets new ones each time,
-  and every execution pays for the cells before it (under the same limits).
+  what an earlier cell bound to the output streams (a logging handler) writes nowhere, and every
+  execution pays for the cells before it (under the same limits).
 
 What the tool shows the model is the program's output and the sandbox's verdict; the task's
 tests never run here (the final answer is judged outside the sandbox, ``reward.py``).
@@ -21,22 +22,32 @@ from ray_forge.core.tools import function_schema
 SCHEMA = function_schema("python", "Run Python code in a persistent session and see what it prints.",
                          {"code": {"type": "string", "description": "The code to run."}}, ["code"])
 
+# Earlier cells run inside a function, so that a cell that clears or rebinds the module's names
+# (``globals().clear()``) cannot break the replay; the new cell is compiled on its own, so its
+# line numbers and ``from __future__`` imports are its own.
 _REPLAY = '''
-import io as _rf_io, sys as _rf_sys
-_rf_out, _rf_err = _rf_sys.stdout, _rf_sys.stderr
-_rf_sys.stdout = _rf_sys.stderr = _rf_io.StringIO()
-for _rf_cell in {cells!r}:
+def _rf_replay(cells, namespace):
+    import io, sys
+    out, err = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = io.StringIO()
     try:
-        exec(compile(_rf_cell, "<earlier cell>", "exec"), globals())
-    except BaseException:
-        pass
-_rf_sys.stdout, _rf_sys.stderr = _rf_out, _rf_err
-del _rf_out, _rf_err, _rf_cell
+        for cell in cells:
+            try:
+                exec(compile(cell, "<earlier cell>", "exec"), namespace)
+            except BaseException:
+                pass
+    finally:
+        sys.stdout, sys.stderr = out, err
+    return compile
+_rf_compile = _rf_replay({cells!r}, globals())
+globals().pop("_rf_replay", None)
+exec(globals().pop("_rf_compile")({code!r}, "<cell>", "exec"), globals())
 '''
 
 
 class ReplaySession(Executor):
-    """A session on an executor that keeps no state: earlier cells run again before each new one."""
+    """A session on an executor that keeps no state: earlier cells run again before each new one.
+    A cell the sandbox stopped (a timeout, a limit) is not kept: it would stop every later call."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
@@ -46,9 +57,10 @@ class ReplaySession(Executor):
         self.cells = []
 
     def execute(self, code: str) -> ExecResult:
-        program = (_REPLAY.format(cells=self.cells) if self.cells else "") + code
-        self.cells.append(code)
-        return self.executor.execute(program)
+        result = self.executor.execute(_REPLAY.format(cells=self.cells, code=code))
+        if result.error is None:
+            self.cells.append(code)
+        return result
 
 
 def show(result: ExecResult) -> str:

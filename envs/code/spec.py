@@ -28,7 +28,8 @@ class CodeOptions:
     """local: the sandbox on the env actor's node; together: Together's Code Interpreter
     (TOGETHER_API_KEY from the environment or a Kubernetes Secret)."""
     concurrency: int = 2
-    """Executions at once per env actor (sandbox interpreters, or requests in flight)."""
+    """Executions at once per env actor (sandbox interpreters, or requests in flight); with the
+    python tool, every game in play has a thread, and the sandbox still runs this many at once."""
     isolation: Literal["full", "none"] = "full"
     """local backend: full (namespaces, read-only root, seccomp, limits; the sandbox refuses to
     start where the kernel or container cannot give it, saying what is missing) or none (limits
@@ -43,6 +44,9 @@ class CodeOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= 16:
             raise ValueError(f"concurrency = {self.concurrency} is out of range: a sandbox has 1 to 16 interpreters")
+        if self.tool and self.backend == "local" and self.isolation != "full":
+            raise ValueError("tool = true needs isolation = full: the model reads what its code prints, so with "
+                             "isolation none it could read this machine's files and environment and see them")
         for name, value in vars(self.limits).items():
             if not value > 0:
                 raise ValueError(f"limits.{name} = {value!r} is out of range: it must be > 0")

@@ -49,17 +49,21 @@ class TogetherCodeInterpreter(Executor):
         self.client = client
         self.timeout_s = timeout_s
         self.session_id: str | None = None
+        self._episode = 0
+        """Bumped by ``new_session``: a call that returns after its episode ended (the tool gave up
+        on it) must not hand its session to the next episode."""
 
     def new_session(self) -> None:
         """The next execution starts a fresh session (state from the last episode is dropped)."""
         self.session_id = None
+        self._episode += 1
 
     def execute(self, code: str) -> ExecResult:
-        start = time.monotonic()
-        response, error = self._post(code, self.session_id)
-        if error is None and response.get("errors") and self.session_id is not None and _expired(response["errors"]):
+        start, episode, session = time.monotonic(), self._episode, self.session_id
+        response, error = self._post(code, session)
+        if error is None and response.get("errors") and session is not None and _expired(response["errors"]):
             # The service dropped the session: start a new one (its state is gone) and run again.
-            self.session_id = None
+            session = None
             response, error = self._post(code, None)
         seconds = time.monotonic() - start
         if error is not None:
@@ -67,7 +71,8 @@ class TogetherCodeInterpreter(Executor):
         if response.get("errors") or not response.get("data"):
             return ExecResult("", "", None, f"code interpreter error: {str(response.get('errors'))[:300]}", seconds)
         data = response["data"]
-        self.session_id = data.get("session_id", self.session_id)
+        if episode == self._episode:
+            self.session_id = data.get("session_id", session)
         stdout, stderr, failed = _outputs_to_text(data.get("outputs") or [])
         return ExecResult(stdout, stderr, 1 if failed else 0, None, seconds)
 

@@ -27,6 +27,8 @@ from ray_forge.remote import ActorRestarted, RemoteCallError, call, get
 log = logging.getLogger(__name__)
 
 
+EVAL_CHUNK = 64
+"""Games an evaluation plays at once."""
 TURN_THREADS = 64
 """Env turns in flight at once on an env actor whose games call tools."""
 
@@ -151,8 +153,8 @@ class EnvPool:
     def _engine(self, policy, policy_name: str, settings: RolloutSettings, groups: list[tuple[int, int]]):
         """The game loop's policy: calls of ``policy`` (an engine actor) under the rollout's timeout,
         text prompts in ``turns`` mode, token ids in ``sequence`` mode."""
-        async def generate(prompts: list, max_tokens: list[int], stop_ids: tuple[int, ...], turn: int):
-            seed = None if settings.greedy else request_seed(groups, turn)
+        async def generate(prompts: list, max_tokens: list[int], stop_ids: tuple[int, ...], call_index: int):
+            seed = None if settings.greedy else request_seed(groups, call_index)
             ref = (policy.generate_ids.remote(prompts, max_tokens, stop_ids, settings.greedy, seed, settings.priority)
                    if self._chat is not None else policy.generate.remote(prompts, settings.greedy, seed, settings.priority))
             return await call(ref, timeout_s=settings.policy_timeout_s, what=f"{policy_name}.generate")
@@ -163,13 +165,12 @@ class EnvPool:
         return ray.get_runtime_context().get_actor_name() or "env"
 
     async def evaluate(self, policy, policy_name: str, final: bool, timeout_s: float,
-                       settings: RolloutSettings | None = None) -> tuple[dict[str, float], dict]:
+                       settings: RolloutSettings) -> tuple[dict[str, float], dict]:
         """The env's own greedy evaluation of ``policy`` (its metrics and whole result), run here
         beside the envs (a sandbox, a server's sessions) in a thread, so plays go on meanwhile.
         Its games (``play``) are played by the same loop as the rollouts', greedily, ahead of them."""
         loop = asyncio.get_running_loop()
-        greedy = dataclasses.replace(settings or _default_settings(self._penalty, timeout_s), greedy=True, priority=-1,
-                                     group_size=1)
+        greedy = dataclasses.replace(settings, greedy=True, priority=-1, group_size=1)
 
         def decide(prompts: list[str]) -> list[str]:
             # Ahead of the rollouts' requests: the training loop waits for this evaluation. In a
@@ -184,10 +185,14 @@ class EnvPool:
             return [turn.text if self._chat is None else self._chat.decode(turn.response_ids) for turn in turns]
 
         def play(seeds: list[int]) -> list[Episode]:
-            games = [(i, seed) for i, seed in enumerate(seeds)]
-            engine = self._engine(policy, policy_name, greedy, games)
-            work = self._play(games, engine, greedy, ("eval", id(seeds)))
-            return asyncio.run_coroutine_threadsafe(work, loop).result(timeout=greedy.play_limit_s)
+            # In chunks: each env turn has the env timeout, and a chunk's turns all wait on one sandbox.
+            episodes = []
+            for first in range(0, len(seeds), EVAL_CHUNK):
+                games = [(first + i, seed) for i, seed in enumerate(seeds[first:first + EVAL_CHUNK])]
+                engine = self._engine(policy, policy_name, greedy, games)
+                work = self._play(games, engine, greedy, ("eval", id(seeds), first))
+                episodes += asyncio.run_coroutine_threadsafe(work, loop).result(timeout=greedy.play_limit_s)
+            return episodes
 
         return await asyncio.to_thread(self._env.evaluate, decide, self._make, play=play,
                                        invalid_action_penalty=self._penalty, final=final)
@@ -214,8 +219,3 @@ class EnvPool:
 
 EnvPoolActor = ray.remote(EnvPool)
 
-
-def _default_settings(penalty: float, timeout_s: float) -> RolloutSettings:
-    """An evaluation's rollout when the caller gave none: one turn, the call's timeout."""
-    return RolloutSettings(group_size=1, max_turns=1, invalid_action_penalty=penalty, policy_timeout_s=timeout_s,
-                           env_timeout_s=timeout_s)

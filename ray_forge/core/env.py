@@ -115,7 +115,8 @@ class EnvSpec(Generic[O]):
     """(options, run directory, metrics rows, final evaluation result) -> the PNGs written at the
     end of a run."""
     concurrency: Callable[[O], int] = _one_thread
-    """Games an env actor steps at once, in threads (envs that wait on execution or a server)."""
+    """Games an env actor steps at once, in threads (envs that wait on execution or a server);
+    an env whose games call tools gives every game in play a thread of its own."""
     references: Callable[[O], dict[str, float]] = _no_references
     """Returns of known policies (``"optimal policy (exact)": -0.0466``), drawn as lines on plots."""
     plays: Callable[[O], str] | None = None

@@ -18,7 +18,8 @@ class Turn:
     policy_version: int
     """The oldest weights that sampled any of its tokens."""
     text: str = ""
-    """The decoded response (what the env parsed)."""
+    """The decoded response, as the engine's detokenizer gave it (what a ``turns`` env parses; a
+    ``sequence`` env reads ``ChatFormat.decode`` of the ids)."""
     token_versions: tuple[int, ...] = ()
     """The policy version that sampled each response token: a weight update can land while a
     completion is being generated (empty: all tokens are ``policy_version``'s)."""
