@@ -52,21 +52,19 @@ class EnvPool:
         first = self._make()
         self.action_words = first.action_words
         self._free.append(first)
-        self._chat = None
-        if first.tools() and config.episode.mode != "sequence":
-            raise ValueError(f"env {env.spec.name!r} offers tools ({[t.name for t in first.tools()]}): they are called "
+        self._chat, tools = None, first.tools()
+        if tools and config.episode.mode != "sequence":
+            raise ValueError(f"env {env.spec.name!r} offers tools ({[t.name for t in tools]}): they are called "
                              "mid-episode, so set env.episode.mode=sequence")
         if config.episode.mode == "sequence":
             if tokenizer is None:
                 raise ValueError("env.episode.mode=sequence needs the model's tokenizer (its chat template)")
-            self._chat = ChatFormat(tokenizer, [tool.schema for tool in first.tools()])
-        # Envs that wait on execution or a server (code, openenv) run in parallel; cheap envs
-        # run in this thread.
+            self._chat = ChatFormat(tokenizer, [tool.schema for tool in tools])
         concurrency = env.concurrency()
         # An env that waits (a sandbox, a server) steps ``concurrency`` games at once; one whose
         # games call tools mid-episode gives every game in flight a thread of its own, so a slow
         # tool holds only its game (its sandbox still admits ``concurrency`` executions at once).
-        threads = max(TURN_THREADS, concurrency) if first.tools() else concurrency
+        threads = max(TURN_THREADS, concurrency) if tools else concurrency
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="env-turn") if threads > 1 else None
         self._lock = threading.RLock()
 

@@ -30,10 +30,10 @@ class RolloutSettings:
     def of(cls, config: JobConfig) -> RolloutSettings:
         """A run's rollouts, as its config says."""
         episode = config.env.episode
-        rules = EpisodeRules(mode=episode.mode, max_turns=config.env.max_turns, turn_tokens=config.policy.max_tokens,
+        # The turn limit and the penalty are this rollout's own (``episode_rules``).
+        rules = EpisodeRules(mode=episode.mode, turn_tokens=config.policy.max_tokens,
                              episode_tokens=episode.max_tokens or config.policy.max_model_len,
-                             penalty=config.env.invalid_action_penalty, strict_template=episode.strict_template,
-                             tools=episode.tools)
+                             strict_template=episode.strict_template, tools=episode.tools)
         return cls(group_size=config.grpo.group_size, max_turns=config.env.max_turns,
                    invalid_action_penalty=config.env.invalid_action_penalty,
                    policy_timeout_s=config.policy.call_timeout_s, env_timeout_s=config.env.call_timeout_s,

@@ -125,11 +125,11 @@ class Play:
                 done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                 ready = []
                 for task in done:
-                    for kind, batch in task.result():
-                        if kind == "model":
-                            in_flight |= self._env_turns(batch)
-                        else:
-                            ready += [g for g in batch if not g.done]
+                    kind, batch = task.result()
+                    if kind == "model":
+                        in_flight |= self._env_turns(batch)
+                    else:
+                        ready += [g for g in batch if not g.done]
         except BaseException:
             # Nothing of a failed play may go on using its envs: the caller discards them.
             for task in in_flight:
@@ -156,7 +156,7 @@ class Play:
                 fit.append(game)
         return fit
 
-    async def _model_turn(self, games: list[_Game]) -> list[tuple[str, list[_Game]]]:
+    async def _model_turn(self, games: list[_Game]) -> tuple[str, list[_Game]]:
         call, self.calls = self.calls, self.calls + 1
         prompts = [g.next_prompt() for g in games]
         budgets = [min(self.rules.turn_tokens, self.limit - len(p)) if g.builder is not None else self.rules.turn_tokens
@@ -165,14 +165,14 @@ class Play:
         completions = await self.policy(prompts, budgets, stops, call)
         for game, turn in zip(games, completions, strict=True):
             game.turns.append(turn)
-        return [("model", games)]
+        return "model", games
 
     def _env_turns(self, games: list[_Game]) -> set[asyncio.Task]:
         if not self.independent:
             return {asyncio.create_task(self._gather(self._env_turn, games))}
         return {asyncio.create_task(self._gather(self._env_turn, [g])) for g in games}
 
-    async def _gather(self, fn: Callable[[_Game], None], games: list[_Game]) -> list[tuple[str, list[_Game]]]:
+    async def _gather(self, fn: Callable[[_Game], None], games: list[_Game]) -> tuple[str, list[_Game]]:
         """``fn`` for every game off the event loop: on the env's threads, one game each, or all
         of them in one call for a cheap env. Under the run's env timeout."""
         if self.threads is None:
@@ -184,7 +184,7 @@ class Play:
         except asyncio.TimeoutError:
             raise TimeoutError(f"an env turn of {len(games)} games did not finish within env.call_timeout_s="
                                f"{self.env_timeout_s:.0f}s") from None
-        return [("env", games)]
+        return "env", games
 
     # -- on a thread: the env's side of a game --------------------------------------------
     def _start(self, game: _Game) -> None:
@@ -217,7 +217,7 @@ class Play:
             # Cut off by the room left, not by the turn's own budget: no answer to judge.
             game.end(self.rules.penalty, truncated=f"no room left in {self.limit} tokens")
             return
-        tools = self.tools_of(game)
+        tools = {tool.name: tool for tool in game.env.tools()}
         calls = parse_tool_calls(text) if tools else []
         if calls:
             replies = self.runner.run(tools, calls, game.tools)
@@ -229,9 +229,6 @@ class Play:
         if not text.strip():
             game.void_turns += 1
         self._step(game, text)
-
-    def tools_of(self, game: _Game) -> dict:
-        return {tool.name: tool for tool in game.env.tools()}
 
     def _step(self, game: _Game, text: str) -> None:
         result = game.env.step(text)

@@ -28,12 +28,8 @@ class Tool(Protocol):
     """OpenAI's function shape: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
 
     def __call__(self, arguments: dict[str, Any]) -> str:
-        """Run the call; raise ToolError (or anything) to tell the model it failed."""
+        """Run the call; what it raises is shown to the model as the call's failure."""
         ...
-
-
-class ToolError(RuntimeError):
-    """A tool's own refusal or failure, shown to the model as it is."""
 
 
 def function_schema(name: str, description: str, parameters: dict[str, Any], required: list[str]) -> dict:
