@@ -55,6 +55,7 @@ from ray_forge.remote import RemoteCallError, call, computed, get
 from ray_forge.run import sync_check
 from ray_forge.run.chaos import chaos_monkey
 from ray_forge.run.directory import FINISHED_FILE, Run, create, open_run, truncate_metrics
+from ray_forge.run.export import SAVED_STEP, save_hf_folder
 from ray_forge.run.fleet import Fleet, FleetError
 from ray_forge.weights import WeightSyncError
 
@@ -293,6 +294,10 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
              if config.chaos.every_s else None)
     carried = dict(progress.counts)
     try:
+        if config.run.eval_before_train and progress.step == 0:
+            (_, row), eval_s = await timed(evaluate(config, actors, fleet), "eval_s")
+            progress.evals.append(dict(row, step=0))
+            metrics.log(0, **row, **eval_s)
         for step in range(progress.step + 1, config.run.steps + 1):
             step_start = time.monotonic()
             batch_stats, samples = await next_batch(config, actors, state, rollout)
@@ -347,25 +352,10 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
 
 
 async def save_policy(actors: Actors, model_dir: str, out_dir: Path, step: int, dtype: str) -> None:
-    """The current trainer weights as a self-contained HF folder (weights + config + tokenizer
-    of the base model in ``model_dir``), made whole under another name, then renamed into place;
-    ``ray_forge.json`` says which step's weights it holds. The weights are in the training
-    ``dtype``, and config.json says so (engines loading it with dtype auto use that)."""
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    await actors.trainer.export_hf(str(partial))
-    for item in Path(model_dir).iterdir():
-        if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
-            shutil.copy2(item, partial / item.name)
-    hf_config = json.loads((partial / "config.json").read_text())
-    hf_config.update({k: dtype for k in ("torch_dtype", "dtype") if k in hf_config} or {"torch_dtype": dtype})
-    (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    (partial / SAVED_STEP).write_text(json.dumps({"step": step}))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    partial.rename(out_dir)
+    """The current trainer weights as a self-contained HF folder (``ray_forge/run/export.py``)."""
+    await save_hf_folder(actors.trainer, model_dir, out_dir, step, dtype)
 
 
-SAVED_STEP = "ray_forge.json"
 
 
 def prepare_model(config: JobConfig, env: EnvSetup, run_dir: Path) -> str:
@@ -384,7 +374,7 @@ def restore_progress(run: Run) -> tuple[Progress, dict | None, float]:
     if run.resume_from is None:
         if run.resumed:  # stopped before its first checkpoint: start it again from step 0
             log.warning("%s has no usable checkpoint: starting it again from step 0", run.run_dir)
-        return Progress(), None, truncate_metrics(run.run_dir, 0) if run.resumed else 0.0
+        return Progress(), None, truncate_metrics(run.run_dir, -1) if run.resumed else 0.0
     saved = checkpoint.read_driver_state(run.resume_from)
     random.setstate(saved["rng"]["python"])
     torch.set_rng_state(saved["rng"]["torch"])

@@ -51,9 +51,9 @@ def uninterrupted(ray_cluster, tmp_path_factory):
     return Path(summary["run_dir"])
 
 
-def run_until(args: list[str], until, timeout_s: float = 300) -> subprocess.Popen:
+def run_until(args: list[str], until, timeout_s: float = 300, script: str = "jobs/grpo.py") -> subprocess.Popen:
     """Start the job in a process of its own and SIGKILL the driver (only it) once ``until()``."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "jobs/grpo.py"), *args], cwd=ROOT, start_new_session=True,
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
     try:

@@ -9,7 +9,7 @@ from envs.blackjack.env import BlackjackTextEnv, render_state
 from envs.blackjack.exact import all_states
 from envs.blackjack.plots import reference_returns, run_pictures
 from envs.blackjack.policy_eval import evaluate as evaluate_policy
-from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayGreedy
+from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayEpisodes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +28,7 @@ def make_envs(options: BlackjackOptions, invalid_action_penalty: float) -> EnvMa
     return EnvMaker(lambda: BlackjackTextEnv(invalid_action_penalty=invalid_action_penalty))
 
 
-def evaluate(options: BlackjackOptions, decide: Decide, make_env: EnvMaker, *, play: PlayGreedy,
+def evaluate(options: BlackjackOptions, decide: Decide, make_env: EnvMaker, *, play: PlayEpisodes,
              invalid_action_penalty: float, final: bool) -> tuple[dict[str, float], dict]:
     """The exact return of the greedy decision table (and, at the end, a Monte-Carlo cross-check);
     an unreadable answer is worth the run's penalty, as in training. The table asks ``decide``

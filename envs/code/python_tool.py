@@ -17,7 +17,7 @@ tests never run here (the final answer is judged outside the sandbox, ``reward.p
 from __future__ import annotations
 
 from envs.code.sandbox import ExecResult, Executor
-from ray_forge.core.tools import function_schema
+from ray_forge.core.tools import ToolError, function_schema
 
 SCHEMA = function_schema("python", "Run Python code in a persistent session and see what it prints.",
                          {"code": {"type": "string", "description": "The code to run."}}, ["code"])
@@ -87,4 +87,7 @@ class PythonTool:
         code = arguments.get("code")
         if not isinstance(code, str):
             raise TypeError('the python tool takes {"code": <string>}')
-        return show(self.session.execute(code))
+        result = self.session.execute(code)
+        if not result.ok:  # the model still reads all of it: a traceback is worth reading
+            raise ToolError(show(result))
+        return show(result)

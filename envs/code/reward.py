@@ -5,7 +5,8 @@ each test's call of the entry point, and one marked line with what each call ret
 data. The expected values never enter the sandbox; :func:`score_code` compares them with the
 returned values here, in the env's own process. So an object that equals everything, a forged
 result line, a read of the harness's frames or an early exit gains nothing: to score, the
-returned values must be the right ones. Math tasks score the last number the program printed.
+returned values must be the right ones. Math tasks score the last number the program printed;
+answer tasks, the last number of the reply, which nothing executes.
 
 A stdio task runs the candidate once per case (:func:`stdin_program`), its stdin given as a
 literal; the expected stdout never enters the sandbox, and :func:`same_output` compares it with
@@ -162,6 +163,28 @@ def score_math(stdout: str, answer: float) -> float:
     return clamp(float(abs(value - answer) <= 1e-6 * max(1.0, abs(answer))))
 
 
+def _judge_answer(task: Task, reply: str) -> tuple[float, dict]:
+    """A stated answer: the last number of the reply itself. Nothing runs, so nothing the model
+    wrote or ran (a program, a forged line in a tool's output) is read but its own words."""
+    info = {"task": task.id, "stderr": "", "stdout": ""}
+    numbers = _NUMBER.findall(reply)
+    if not numbers:
+        info["error"] = "the reply states no number"
+        return 0.0, info
+    if float(task.answer).is_integer():  # exactly: a near guess of a 7-digit number is no answer
+        return float(_exact(numbers[-1]) == int(task.answer)), info
+    return score_math(reply, task.answer), info
+
+
+def _exact(number: str) -> int | None:
+    """``number`` as an integer if it is one (``42``, ``42.0``), else None."""
+    try:
+        value = float(number)
+    except (ValueError, OverflowError):
+        return None
+    return int(value) if value.is_integer() and abs(value) < 2**53 else None
+
+
 def clamp(reward: float, bounds: tuple[float, float] = SCORE_RANGE) -> float:
     low, high = bounds
     return low if not reward >= low else min(reward, high)  # NaN goes to the bottom
@@ -293,8 +316,8 @@ def _judge_code(task: Task, code: str, executor: Executor) -> tuple[float, dict]
 
 
 def judge(task: Task, code: str, executor: Executor) -> tuple[float, dict]:
-    """The reward of the candidate ``code`` (already taken out of the completion) for ``task``, of
-    any kind, and an info dict: "task", the tails of "stdout" and "stderr", and "error" (why) when
+    """The reward of the candidate ``code`` (already taken out of the completion; for an answer
+    task, the whole reply) for ``task``, of any kind, and an info dict: "task", the tails of "stdout" and "stderr", and "error" (why) when
     it did not fully pass; stdio tasks add "cases" (those judged, at most :data:`MAX_CASES`; the
     reward is the fraction of them passed) and "passed".
 
@@ -304,6 +327,8 @@ def judge(task: Task, code: str, executor: Executor) -> tuple[float, dict]:
     but could not be called, or failed every test, scores 0.0 without that flag."""
     if task.kind == "math":
         return _judge_math(task, code, executor)
+    if task.kind == "answer":
+        return _judge_answer(task, code)
     if task.kind == "stdio":
         return _judge_stdio(task, code, executor)
     return _judge_code(task, code, executor)

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from envs.code.arithmetic import Arithmetic
 from envs.code.env import CodeEnv, show
 from envs.code.python_tool import SCHEMA, ReplaySession
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import BUNDLED, Task, load_tasks
-from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayGreedy
+from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayEpisodes
 from ray_forge.observe.plots import learning_curve_png
 
 
@@ -40,6 +41,12 @@ class CodeOptions:
     tool: bool = False
     """Offer the ``python`` tool: the model may run code, one interpreter session per episode,
     before it answers (needs ``env.episode.mode: sequence``)."""
+    arithmetic: Arithmetic = field(default_factory=Arithmetic)
+    """Generated ``a * b + c`` questions with a held-out split (``envs/code/arithmetic.py``) instead
+    of ``tasks``, when ``arithmetic.train`` > 0."""
+    eval_sampled: bool = False
+    """The evaluation also plays each task once sampled, at the policy's temperature
+    (``sampled_solved``): a warm-started policy's greedy choice can hide what it samples."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= 16:
@@ -52,15 +59,23 @@ class CodeOptions:
                 raise ValueError(f"limits.{name} = {value!r} is out of range: it must be > 0")
 
     def task_list(self) -> list[Task]:
-        """The tasks: the file in ``tasks``, or the bundled set."""
+        """The tasks the rollouts are dealt: generated, the file in ``tasks``, or the bundled set."""
+        if self.arithmetic.train:
+            return self.arithmetic.splits()[0]
         return load_tasks(self.tasks or BUNDLED)
+
+    def eval_list(self) -> list[Task]:
+        """The tasks the evaluation shows: the held-out split of generated ones, else the same tasks."""
+        if self.arithmetic.train:
+            return self.arithmetic.splits()[1]
+        return self.task_list()
 
 
 def make_envs(options: CodeOptions, invalid_action_penalty: float) -> EnvMaker:
     """A maker of CodeEnvs: local ones share one sandbox pool (``concurrency`` interpreters, which
     refuses to start without the ``isolation`` asked for); Together ones each get their own client,
     so each episode has its own session."""
-    tasks = options.task_list()
+    tasks, held_out = options.task_list(), options.eval_list()
     if options.backend == "together":
         from envs.code.together_interpreter import TogetherCodeInterpreter
 
@@ -68,15 +83,16 @@ def make_envs(options: CodeOptions, invalid_action_penalty: float) -> EnvMaker:
             return TogetherCodeInterpreter(timeout_s=options.limits.wall_s + 30)
 
         # The answer is judged in a session of its own, never in the one the model's calls shaped.
-        return EnvMaker(lambda: CodeEnv(tasks, interpreter(), session=interpreter() if options.tool else None))
+        return EnvMaker(lambda: CodeEnv(tasks, interpreter(), session=interpreter() if options.tool else None,
+                                        held_out=held_out))
     sandbox = LocalSandbox(size=options.concurrency, limits=options.limits, isolation=options.isolation)
-    return EnvMaker(lambda: CodeEnv(tasks, sandbox, session=ReplaySession(sandbox) if options.tool else None),
-                    sandbox.close)
+    return EnvMaker(lambda: CodeEnv(tasks, sandbox, session=ReplaySession(sandbox) if options.tool else None,
+                                    held_out=held_out), sandbox.close)
 
 
 def prompts(options: CodeOptions) -> list[str]:
-    """Every task's prompt, as the env shows it (showing one runs nothing)."""
-    return [show(task, options.tool) for task in options.task_list()]
+    """Every task's prompt, as the env shows it (showing one runs nothing); of generated ones, 64."""
+    return [show(task, options.tool) for task in options.task_list()[:64] + options.eval_list()[:64]]
 
 
 def corpus(options: CodeOptions) -> list[str]:
@@ -87,28 +103,47 @@ def corpus(options: CodeOptions) -> list[str]:
     return prompts(options) + tests + (calls + [json.dumps(SCHEMA)] if options.tool else [])
 
 
-def evaluate(options: CodeOptions, decide: Decide, make_env: EnvMaker, *, play: PlayGreedy,
+def evaluate(options: CodeOptions, decide: Decide, make_env: EnvMaker, *, play: PlayEpisodes,
              invalid_action_penalty: float, final: bool) -> tuple[dict[str, float], dict]:
-    """The greedy episode of every task (seed ``i`` shows task ``i``), played as in training (tool
-    calls included) and scored by the env's executor. Metrics: ``return`` (mean reward) and
-    ``solved`` (share of tasks with reward 1), the same per task kind (``code_return``,
-    ``math_solved``, ...); the result adds the count of each error and ``tasks``, one row per
-    task with its reward, error, tool calls and completion."""
-    tasks = options.task_list()
-    played = play(list(range(len(tasks))))
+    """The greedy episode of every evaluation task (the held-out split, or every task; seed
+    ``-1 - i`` shows task ``i``), played as in training (tool calls included) and scored by the
+    env's executor. Metrics: ``return`` (mean reward) and ``solved`` (share of tasks with reward
+    1), the same per task kind (``code_return``, ``math_solved``, ...), and with
+    ``eval_sampled`` the sampled episode's ``sampled_solved``, ``sampled_tool_calls`` (per
+    episode) and ``sampled_tool_errors``; the result adds the count of each error and ``tasks``,
+    one row per task with its reward, error, tool calls and chat (and ``sampled``, the same of
+    its sampled episode)."""
+    tasks = options.eval_list()
+    seeds = [-1 - i for i in range(len(tasks))]
+    rows = _rows(tasks, play(seeds))
+    metrics = _solved(rows)
+    if options.eval_sampled:
+        sampled = _rows(tasks, play(seeds, greedy=False))
+        metrics.update(sampled_solved=sum(row["reward"] == 1.0 for row in sampled) / len(sampled),
+                       sampled_tool_calls=sum(row["tool_calls"] for row in sampled) / len(sampled),
+                       sampled_tool_errors=sum(row["tool_errors"] for row in sampled) / len(sampled))
+        for row, other in zip(rows, sampled, strict=True):
+            row["sampled"] = other
+    errors = dict(Counter(row["error"] for row in rows if row["error"] is not None))
+    return metrics, dict(metrics, errors=errors, tasks=rows)
+
+
+def _rows(tasks: list[Task], played: list) -> list[dict]:
     # The completion is the answer judged (the last turn); messages, the whole chat with tool calls.
-    rows = [dict(id=task.id, kind=task.kind, reward=e.reward, error=e.error,
+    return [dict(id=task.id, kind=task.kind, reward=e.reward, error=e.error,
                  completion=e.turns[-1].text if e.turns else "", tool_calls=int(e.stats.get("tool_calls", 0)),
-                 messages=list(e.messages))
+                 tool_errors=int(sum(v for k, v in e.stats.items() if k.startswith("tool_error_"))), messages=list(e.messages))
             for task, e in zip(tasks, played, strict=True)]
+
+
+def _solved(rows: list[dict]) -> dict[str, float]:
     metrics = {}
     for kind in [None, *sorted({row["kind"] for row in rows})]:
         chosen = [row for row in rows if kind in (None, row["kind"])]
         prefix = f"{kind}_" if kind else ""
         metrics[f"{prefix}return"] = sum(row["reward"] for row in chosen) / len(chosen)
         metrics[f"{prefix}solved"] = sum(row["reward"] == 1.0 for row in chosen) / len(chosen)
-    errors = dict(Counter(row["error"] for row in rows if row["error"] is not None))
-    return metrics, dict(metrics, errors=errors, tasks=rows)
+    return metrics
 
 
 def pictures(options: CodeOptions, run_dir: Path, rows: list[dict], final: dict) -> list[Path]:

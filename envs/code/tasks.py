@@ -6,6 +6,10 @@ A file is JSONL (``.jsonl``, ``.json`` or any other suffix: one JSON object per 
 - native code: ``{"id", "kind": "code", "prompt", "entry_point", "tests": [{"args": [...], "expected": ...}]}``
 - native math: ``{"id", "kind": "math", "prompt", "answer": <number>}``, scored by the last number
   the model's program prints
+- a stated answer: ``{"id", "kind": "answer", "prompt", "answer": <number>}``, scored by the last
+  number of the model's reply, which nothing executes (a tool-use task: the model may compute it
+  with the python tool first, ``envs/code/arithmetic.py``); GSM8K's ``{"question", "answer":
+  "... #### 72"}`` is read as one
 - native stdin/stdout: ``{"id", "kind": "stdio", "prompt", "cases": [{"input": "...", "output": "..."}]}``
 - assert tests (MBPP, HumanEval-like): ``{"task_id" | "id", "text" | "prompt", "test_list" | "tests":
   ["assert f(1, 2) == 3", ...]}`` (or one string of assert lines)
@@ -34,6 +38,7 @@ the list. Id, prompt and name fields are looked up in the order shown (``id``, `
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
 import re
@@ -43,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 BUNDLED = Path(__file__).with_name("tasks.jsonl")
-KINDS = ("code", "math", "stdio")
+KINDS = ("code", "math", "stdio", "answer")
 _SHOWN_CALL_CHARS = 200  # a converted task's prompt shows one call as an example, if it is this short
 _TAMPER = "its expected value would have to be computed inside the sandbox, which executed code can tamper with"
 
@@ -288,12 +293,27 @@ def _stdio(obj: dict, where: str) -> Task:
     return Task(task_id, "stdio", prompt, cases=tuple(IOCase(_text(c["input"]), _text(c["output"])) for c in cases))
 
 
-def _math(obj: dict, where: str) -> Task:
+def _math(obj: dict, where: str, kind: str = "math") -> Task:
     task_id, prompt = _head(obj, where)
     answer = obj.get("answer")
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
-        raise TaskError(f"{where}: a math task needs a numeric 'answer'")
-    return Task(task_id, "math", prompt, answer=float(answer))
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not math.isfinite(answer):
+        raise TaskError(f"{where}: a {kind} task needs a numeric 'answer'")
+    return Task(task_id, kind, prompt, answer=float(answer))
+
+
+_GSM8K_ANSWER = re.compile(r"####\s*(-?[\d,]+(?:\.\d+)?)\s*$")
+
+
+def _gsm8k(obj: dict, where: str) -> Task:
+    """GSM8K: the worked solution ends with ``#### <number>``; only the number is kept (the
+    solution is never shown to the model)."""
+    found = _GSM8K_ANSWER.search(obj["answer"].strip())
+    if not found:
+        raise TaskError(f"{where}: a GSM8K answer must end with '#### <number>'")
+    obj = dict(obj, answer=float(found.group(1).replace(",", "")))
+    if _first(obj, "id", "task_id", "problem_id") is None and isinstance(obj.get("question"), str):
+        obj["id"] = "q-" + hashlib.sha1(obj["question"].encode()).hexdigest()[:12]  # GSM8K rows have no id
+    return _math(obj, where, "answer")
 
 
 def _by_fields(obj: dict, where: str) -> Task | None:
@@ -315,9 +335,13 @@ def _parse(obj: Any, where: str) -> Task:
     obj = {key: value for key, value in obj.items() if value is not None}  # Parquet's empty columns
     kind = obj.get("kind")
     if kind is not None and kind not in KINDS:
-        raise TaskError(f"{where}: 'kind' must be 'code' or 'math' or 'stdio', got {kind!r}")
-    if kind == "math":
-        return _math(obj, where)
+        raise TaskError(f"{where}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind in ("math", "answer"):
+        if isinstance(obj.get("answer"), str):
+            return _gsm8k(obj, where)
+        return _math(obj, where, kind)
+    if kind is None and isinstance(obj.get("answer"), str) and "####" in obj["answer"]:
+        return _gsm8k(obj, where)
     task = _by_fields(obj, where)
     if task is None:
         if kind == "code":

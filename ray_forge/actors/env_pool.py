@@ -182,14 +182,15 @@ class EnvPool:
             turns = get(ref, timeout_s=timeout_s, what=f"{policy_name}.generate")
             return [turn.text if self._chat is None else self._chat.decode(turn.response_ids) for turn in turns]
 
-        def play(seeds: list[int]) -> list[Episode]:
+        def play(seeds: list[int], greedy: bool = True) -> list[Episode]:
             # In chunks: each env turn has the env timeout, and a chunk's turns all wait on one sandbox.
+            how = dataclasses.replace(settings, greedy=greedy, priority=-1, group_size=1)
             episodes = []
             for first in range(0, len(seeds), EVAL_CHUNK):
                 games = [(first + i, seed) for i, seed in enumerate(seeds[first:first + EVAL_CHUNK])]
-                engine = self._engine(policy, policy_name, greedy, games)
-                work = self._play(games, engine, greedy, ("eval", id(seeds), first))
-                episodes += asyncio.run_coroutine_threadsafe(work, loop).result(timeout=greedy.play_limit_s)
+                engine = self._engine(policy, policy_name, how, games)
+                work = self._play(games, engine, how, ("eval", id(seeds), greedy, first))
+                episodes += asyncio.run_coroutine_threadsafe(work, loop).result(timeout=how.play_limit_s)
             return episodes
 
         return await asyncio.to_thread(self._env.evaluate, decide, self._make, play=play,

@@ -16,7 +16,7 @@ from ray_forge.actors.trainer import TrainerActor
 from ray_forge.actors.trainer_group import TrainerGroup
 from ray_forge.cluster.pools import Pools
 from ray_forge.config import ConfigError
-from ray_forge.config.schema import POOL_LABEL, JobConfig
+from ray_forge.config.schema import POOL_LABEL, GRPOConfig, JobConfig, TrainerConfig
 from ray_forge.core.env import EnvSetup
 from ray_forge.remote import get
 from ray_forge.weights import StoreSpec, WeightStore, resolve_transport
@@ -115,10 +115,8 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
         raise ConfigError(f"policy.constrain_to_actions=true needs each action word {list(action_words)} to be one "
                           "token of this tokenizer; set policy.constrain_to_actions=false and policy.max_tokens "
                           "large enough to spell them (evaluation still answers with exactly one of them)")
-    ranks = [_start(TrainerActor, slot.options(f"trainer-{r}"), config.trainer, grpo=config.grpo, model_dir=model_dir,
-                    total_steps=config.run.steps, rank=r, allowed_token_ids=allowed,
-                    temperature=config.policy.temperature)
-             for r, slot in enumerate(slots["trainer"])]
+    ranks = start_trainer_ranks(config.trainer, slots["trainer"], model_dir, config.run.steps, grpo=config.grpo,
+                                allowed_token_ids=allowed, temperature=config.policy.temperature)
     handles += ranks
     reference = None
     if config.grpo.kl_coef > 0:
@@ -151,6 +149,15 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
                    **{f"trainer-{r}": n for r, n in enumerate(trainer_nodes)},
                    **{f"env-{i}": n for i, n in enumerate(env_nodes)}})
     return actors
+
+
+def start_trainer_ranks(trainer: TrainerConfig, slots: list, model_dir: str, total_steps: int, *,
+                        grpo: GRPOConfig | None = None, allowed_token_ids: list[int] | None = None,
+                        temperature: float = 1.0) -> list:
+    """The TorchTitan ranks ``trainer-<r>``, one per slot (the GRPO job's and the SFT job's)."""
+    return [_start(TrainerActor, slot.options(f"trainer-{r}"), trainer, grpo=grpo or GRPOConfig(), model_dir=model_dir,
+                   total_steps=total_steps, rank=r, allowed_token_ids=allowed_token_ids, temperature=temperature)
+            for r, slot in enumerate(slots)]
 
 
 def log_placement(actor_nodes: dict[str, str]) -> None:

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from ray_forge.config.schema import GRPOConfig, TrainerConfig
 from ray_forge.core.algorithm import TOKEN_STATS as STATS
-from ray_forge.core.algorithm import grpo_loss, loss_normalizer, token_logprobs_and_entropy
-from ray_forge.core.batch import TensorBatch, collate
+from ray_forge.core.algorithm import grpo_loss, loss_normalizer, sft_loss, token_logprobs_and_entropy
+from ray_forge.core.batch import PackedBatch, TensorBatch, collate, collate_packed
 from ray_forge.core.checkpoint import TRAINER_DIR, rank_file
 from ray_forge.core.episode import Sample, Scored
 from ray_forge.models.devices import require_dtype
@@ -141,6 +141,49 @@ class TitanTrainer:
             aggregation=self.grpo.token_aggregation, normalizer=normalizer.to(self.device),
             tis_cap=self.grpo.tis_cap,
         )
+
+    def sft_step(self, rows: list) -> dict[str, float]:
+        """One optimizer step on the supervised loss of packed rows (``ray_forge.core.sft``): every
+        rank sees the whole batch, trains on its share of rows and divides by the batch's loss
+        tokens. Returns this rank's share of the loss, and the step's grad norm and lr."""
+        loss = self._sft_backward(rows, train=True)
+        from torchtitan.distributed import utils as dist_utils
+
+        grad_norm = float(dist_utils.clip_grad_norm_(list(self.model.parameters()), self.cfg.max_grad_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            log.warning("SFT step %d skipped: gradient norm is %s", self.version + 1, grad_norm)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return dict(loss=loss, grad_norm=grad_norm, lr=lr, version=self.version, skipped_nonfinite=float(skipped))
+
+    def sft_eval(self, rows: list) -> float:
+        """This rank's share of the supervised loss of ``rows``, with no update (held-out loss)."""
+        with torch.no_grad():
+            return self._sft_backward(rows, train=False)
+
+    def _sft_backward(self, rows: list, train: bool) -> float:
+        normalizer = float(max(1, sum(r.loss_tokens for r in rows)))
+        mine = [rows[i] for i in self._my_rows(len(rows))]
+        # Equal work on every rank (FSDP collectives): a rank short of rows runs a copy with no loss.
+        padding = [dataclasses.replace(rows[0], loss_mask=(0,) * len(rows[0].loss_mask))]
+        mine += padding * (self._rows_per_rank(len(rows)) - len(mine))
+        total = 0.0
+        for start in range(0, len(mine), self.cfg.micro_batch_size):
+            micro = collate_packed(mine[start:start + self.cfg.micro_batch_size]).to(self.device)
+            loss = self._packed_loss(micro, normalizer)
+            if train:
+                loss.backward()
+            total += loss.item()
+        return total
+
+    def _packed_loss(self, micro: PackedBatch, normalizer: float) -> torch.Tensor:
+        logits_BTV = self.model(micro.inputs_BT, positions=micro.positions_BT, attention_masks=micro.attention_B1TT)
+        return sft_loss(logits_BTV, micro.targets_BT, micro.mask_BT, normalizer)
 
     def export_hf(self, out_dir: str | None) -> str | None:
         """Gather full weights in HF naming; rank 0 writes ``model.safetensors`` into ``out_dir``,

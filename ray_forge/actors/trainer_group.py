@@ -33,6 +33,16 @@ class TrainerGroup:
         per_rank = await self._all("train_step", lambda rank: (samples, ref_logprobs))
         return combine_rank_stats(per_rank)
 
+    async def sft_step(self, rows: list | ray.ObjectRef) -> dict[str, float]:
+        """One supervised step on packed rows (``TitanTrainer.sft_step``): the loss is the sum of
+        the ranks' shares; the rest is the same on every rank."""
+        per_rank = await self._all("sft_step", lambda rank: (rows,))
+        return dict(per_rank[0], loss=sum(s["loss"] for s in per_rank))
+
+    async def sft_eval(self, rows: list | ray.ObjectRef) -> float:
+        """The supervised loss of ``rows`` with no update (every rank takes its share)."""
+        return sum(await self._all("sft_eval", lambda rank: (rows,)))
+
     async def export_hf(self, out_dir: str) -> str:
         """All ranks gather the full weights; rank 0 writes them."""
         paths = await self._all("export_hf", lambda rank: (out_dir if rank == 0 else None,))

@@ -79,6 +79,9 @@ class TinyModelConfig:
     from the env's texts (fewer when the texts run out of pairs to merge)."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output projection, as Qwen3 up to 4B does."""
+    split_digits: bool = False
+    """bpe: every digit its own token (no merges across digits), as Qwen3's and Llama 3's
+    tokenizers do: a number is copied digit by digit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +192,8 @@ class ToolConfig:
     """Calls an episode may make; one more ends it, truncated, with the invalid-action penalty."""
     max_output_chars: int = 2000
     """Characters of a call's output the model is shown; the rest is cut and the model told so."""
+    refuse: bool = False
+    """Answer every call with an error and run nothing (an ablation: the same run without the tool)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,6 +294,9 @@ class RunConfig:
     """Seeds the deals of every group, the engines' sampling and the sync checks' prompts."""
     eval_every: int = 10
     """The env's evaluation of the greedy policy every N steps (0: only at the end)."""
+    eval_before_train: bool = False
+    """Evaluate the starting policy before the first step too (verl's ``val_before_train``): a
+    step-0 row in ``metrics.jsonl`` shows where the run started."""
     keep_best: bool = False
     """Save the best-evaluated policy as well as the final one (the final is always saved)."""
     progress: bool = True
@@ -423,3 +431,59 @@ def _out_of_range(config: JobConfig):
             yield key, value, "> 0"
         elif key.endswith(("num_cpus", "num_gpus")) and value < 0:
             yield key, value, ">= 0"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTDataConfig:
+    """Conversations for supervised fine-tuning (``ray_forge/core/sft.py``)."""
+
+    train: str = ""
+    """A JSONL or Parquet file of ``{"messages": [...], "tools": [...]}`` conversations."""
+    eval: str = ""
+    """Held-out conversations; empty: ``eval_fraction`` of ``train``, split off with ``run.seed``."""
+    eval_fraction: float = 0.05
+    batch_size: int = 32
+    """Conversations per step (before packing)."""
+    max_tokens: int = 1024
+    """Width of a packed row; a longer conversation is refused."""
+    pack: bool = True
+    """Pack short conversations into rows of ``max_tokens`` (each still attends only to itself)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTRunConfig:
+    name: str = "sft"
+    output_dir: str = "runs"
+    steps: int = 200
+    seed: int = 0
+    """Seeds the held-out split, the batches' order and a tiny model's weights."""
+    eval_every: int = 50
+    """Held-out loss every N steps, and at the last (0: only at the last)."""
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    progress: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """``jobs/sft.py``: supervised fine-tuning on the GRPO job's TorchTitan ranks."""
+
+    run: SFTRunConfig = field(default_factory=SFTRunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to fine-tune, or a tiny one made from the conversations' texts."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+
+    def __post_init__(self) -> None:
+        from ray_forge.config import ConfigError
+
+        for key, value, low in (("run.steps", self.run.steps, 1), ("data.batch_size", self.data.batch_size, 1),
+                                ("data.max_tokens", self.data.max_tokens, 2), ("trainer.num_ranks",
+                                                                               self.trainer.num_ranks, 1)):
+            if value < low:
+                raise ConfigError(f"{key} = {value!r} is out of range: it must be >= {low}")
+        if not 0.0 <= self.data.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction = {self.data.eval_fraction!r} must be in [0, 1)")
+        if not self.trainer.lr > 0:
+            raise ConfigError(f"trainer.lr = {self.trainer.lr!r} must be > 0")

@@ -140,6 +140,16 @@ def grpo_loss(
     return LossTerms(loss=aggregate(per_token_BT, mask_BT, aggregation, normalizer), **stats)
 
 
+def sft_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.Tensor,
+             normalizer: torch.Tensor | float) -> torch.Tensor:
+    """Supervised next-token loss: the negative log-likelihood of the masked targets, summed and
+    divided by ``normalizer`` (the loss tokens of the whole batch, on every rank: the gradient is
+    then the same however the rows are split or packed)."""
+    logp_BTV = torch.log_softmax(logits_BTV.float(), dim=-1)
+    nll_BT = -logp_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    return (nll_BT * mask_BT).sum() / normalizer
+
+
 def token_logprobs_and_entropy(
     logits_BTV: torch.Tensor, targets_BT: torch.Tensor, allowed_ids: torch.Tensor | None = None,
     temperature: float = 1.0,

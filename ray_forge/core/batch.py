@@ -91,3 +91,43 @@ def groups_to_samples(groups: list[list[Episode]], merge: bool,
     stats["num_rows"] = len(samples)
     stats["row_tokens"] = sum(len(s.token_ids) for s in samples)  # what the trainer's forward runs over
     return samples, stats
+
+
+@dataclass
+class PackedBatch:
+    """Packed SFT rows, right-padded. Row b predicts ``targets_BT[b, t]`` from the tokens of its
+    own document up to ``t``; ``attention_B1TT[b, 0, i, j]`` is True where position i may see j
+    (None when every row is one document: plain causal attention, the faster kernel)."""
+
+    inputs_BT: torch.Tensor
+    targets_BT: torch.Tensor
+    mask_BT: torch.Tensor
+    positions_BT: torch.Tensor
+    attention_B1TT: torch.Tensor | None
+
+    def to(self, device: str) -> "PackedBatch":
+        return PackedBatch(**{k: v.to(device) if v is not None else None for k, v in self.__dict__.items()})
+
+
+def collate_packed(rows: list, pad_id: int = 0) -> PackedBatch:
+    """``ray_forge.core.sft.Packed`` rows as tensors; padding attends only to itself and has no loss."""
+    width = max(len(r.token_ids) for r in rows) - 1
+    inputs = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    docs = torch.full((len(rows), width), -1, dtype=torch.long)
+    for b, row in enumerate(rows):
+        n = len(row.token_ids) - 1
+        ids, doc = torch.tensor(row.token_ids), torch.tensor(row.document_ids)
+        inputs[b, :n], targets[b, :n] = ids[:-1], ids[1:]
+        # A document's next token is predicted only inside it; its first token carries no loss.
+        mask[b, :n] = torch.tensor(row.loss_mask[1:], dtype=torch.float32) * (doc[1:] == doc[:-1])
+        positions[b, :n] = torch.tensor(row.positions[:-1])
+        docs[b, :n] = doc[:-1]
+    if all(max(row.document_ids) == 0 for row in rows):
+        return PackedBatch(inputs, targets, mask, positions, None)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same = (docs[:, :, None] == docs[:, None, :]) & (docs[:, :, None] >= 0)
+    attention = (same & causal) | torch.eye(width, dtype=torch.bool)  # a padding query sees itself: no NaN
+    return PackedBatch(inputs, targets, mask, positions, attention[:, None])

@@ -54,6 +54,10 @@ TINY_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+TINY_TEMPLATE_TEXT = ("system user assistant tool\n# Tools\n<tools>\n</tools>\n"
+                      'Call a tool as {"name": <name>, "arguments": <object>}\n')
+"""The words :data:`TINY_TEMPLATE` writes itself: a tiny tokenizer learns them whole."""
+
 _CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
 
 

@@ -52,8 +52,9 @@ class TextEnv(Protocol):
 O = TypeVar("O")
 Decide = Callable[[list[str]], list[str]]
 """Prompts in, the policy's greedy completions out, in order (an engine, an actor, a function)."""
-PlayGreedy = Callable[[list[int]], list[Any]]
-"""Seeds in, one greedy ``Episode`` per seed out, played by the run's own game loop
+PlayEpisodes = Callable[..., list[Any]]
+"""``play(seeds, greedy=True)``: seeds in, one ``Episode`` per seed out (greedy, or sampled at the
+policy's temperature with a seed fixed by the game's), played by the run's own game loop
 (``ray_forge.core.play``) on the env actor's envs: the same episodes a rollout plays."""
 
 
@@ -170,7 +171,7 @@ class EnvSetup:
     def references(self) -> dict[str, float]:
         return self._source.spec.references(self._source.options)
 
-    def evaluate(self, decide: Decide, make_env: EnvMaker, *, play: PlayGreedy, invalid_action_penalty: float,
+    def evaluate(self, decide: Decide, make_env: EnvMaker, *, play: PlayEpisodes, invalid_action_penalty: float,
                  final: bool) -> tuple[dict[str, float], dict]:
         source = self._source
         metrics, result = source.spec.evaluate(source.options, decide, make_env, play=play,

@@ -32,6 +32,11 @@ class Tool(Protocol):
         ...
 
 
+class ToolError(Exception):
+    """The call ran and failed (the code raised, the sandbox stopped it): the model reads the
+    message as the call's output, and it counts as ``tool_error_raised``."""
+
+
 def function_schema(name: str, description: str, parameters: dict[str, Any], required: list[str]) -> dict:
     return {"type": "function", "function": {"name": name, "description": description,
                                              "parameters": {"type": "object", "properties": parameters,
@@ -78,6 +83,9 @@ class ToolRunner:
         if call.error is not None:
             stats.error("malformed")
             return f"Error: {call.error}."
+        if self.limits.refuse:
+            stats.error("refused")
+            return "Error: tool calls are turned off in this run; answer without them."
         tool = tools.get(call.name)
         if tool is None:
             stats.error("unknown_tool")
@@ -86,6 +94,9 @@ class ToolRunner:
         future = self._pool.submit(tool, call.arguments)
         try:
             output = future.result(timeout=self.limits.timeout_s)
+        except ToolError as err:
+            stats.error("raised")
+            output = str(err)
         except FutureTimeout:
             future.cancel()  # one still queued never runs; one running is ended by its own limits
             stats.error("timeout")

@@ -19,10 +19,11 @@ from torch.distributed.fsdp import FSDPModule
 
 
 def inner_attention_config(device_type: str):
-    """SDPA everywhere: exact against HF on CPU, with a backward; on GPU it uses flash kernels."""
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+    """SDPA everywhere: exact against HF on CPU, with a backward; on GPU it uses flash kernels.
+    It also takes an explicit mask, for packed SFT rows (``ray_forge/models/attention.py``)."""
+    from ray_forge.models.attention import MaskedSDPA
 
-    return ScaledDotProductAttention.Config()
+    return MaskedSDPA.Config()
 
 
 def prepare_distributed(device_type: str) -> None:

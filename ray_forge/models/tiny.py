@@ -40,20 +40,23 @@ def check_model_dir(path: str | Path) -> Path:
     return folder
 
 
-def build_tokenizer(corpus: list[str], kind: str = "word", bpe_vocab_size: int = 1024, chat: bool = False):
+def build_tokenizer(corpus: list[str], kind: str = "word", bpe_vocab_size: int = 1024, chat: bool = False,
+                    split_digits: bool = False):
     """A tokenizer trained on ``corpus``, with the special tokens <pad> <unk> <eos> first.
 
     word: the vocabulary is exactly the words of ``corpus`` (decoding joins them with spaces).
     bpe: byte-level BPE (every byte is a token, so nothing is unknown and decoding is exact).
     chat: also the tokens of Qwen3's chat format, each whole (``ray_forge.core.chat.CHAT_TOKENS``),
     and a chat template in that format, for multi-turn episodes with tool calls.
+    split_digits (bpe): each digit a token of its own.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ray_forge.core.chat import CHAT_TOKENS, TINY_TEMPLATE
+    from ray_forge.core.chat import CHAT_TOKENS, TINY_TEMPLATE, TINY_TEMPLATE_TEXT
 
     specials = list(SPECIAL_TOKENS) + (list(CHAT_TOKENS) if chat else [])
+    corpus = list(corpus) + ([TINY_TEMPLATE_TEXT] if chat else [])
 
     if kind == "word":
         tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -61,7 +64,9 @@ def build_tokenizer(corpus: list[str], kind: str = "word", bpe_vocab_size: int =
         trainer = trainers.WordLevelTrainer(special_tokens=specials)
     elif kind == "bpe":
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                             if split_digits else byte_level)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=bpe_vocab_size, special_tokens=specials,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -84,7 +89,7 @@ def make_tiny_qwen3(out_dir: str | Path, corpus: list[str], shape: TinyModelConf
     folder = Path(out_dir)
     if (folder / "config.json").is_file():
         return check_model_dir(folder)
-    tokenizer = build_tokenizer(corpus, shape.tokenizer, shape.bpe_vocab_size, chat)
+    tokenizer = build_tokenizer(corpus, shape.tokenizer, shape.bpe_vocab_size, chat, shape.split_digits)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,

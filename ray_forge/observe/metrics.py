@@ -60,8 +60,8 @@ class PlainProgress:
     (and at the last step): ``GRPO step 12/170 (7%), 3.80 s/step, 10:00 left: reward=-0.16``."""
 
     def __init__(self, total: int, file: TextIO, interval_s: float = 10.0, disable: bool = False,
-                 initial: int = 0) -> None:
-        self.total, self.file, self.interval_s, self.disable = total, file, interval_s, disable
+                 initial: int = 0, desc: str = "GRPO") -> None:
+        self.total, self.file, self.interval_s, self.disable, self.desc = total, file, interval_s, disable, desc
         self.n, self.initial, self.postfix = initial, initial, {}
         self._start = self._last = time.monotonic()
 
@@ -77,7 +77,7 @@ class PlainProgress:
         per_step = (now - self._start) / (self.n - self.initial)
         left = tqdm.format_interval(per_step * (self.total - self.n))
         fields = " ".join(f"{k}={v}" for k, v in self.postfix.items())
-        print(f"GRPO step {self.n}/{self.total} ({100 * self.n // max(1, self.total)}%), {per_step:.2f} s/step, "
+        print(f"{self.desc} step {self.n}/{self.total} ({100 * self.n // max(1, self.total)}%), {per_step:.2f} s/step, "
               f"{left} left: {fields}", file=self.file, flush=True)
 
     def close(self) -> None:
@@ -88,8 +88,9 @@ class MetricsLog:
     """Appends ``metrics.jsonl`` rows (flushed each step, so a crashed run keeps its history)."""
 
     def __init__(self, run_dir: Path, total_steps: int, progress: bool = True, done_steps: int = 0,
-                 wall_offset_s: float = 0.0) -> None:
-        """``done_steps`` and ``wall_offset_s``: where a resumed run's rows left off."""
+                 wall_offset_s: float = 0.0, desc: str = "GRPO") -> None:
+        """``done_steps`` and ``wall_offset_s``: where a resumed run's rows left off; ``desc``: the
+        progress line's name of the job."""
         import ray
 
         self.path = run_dir / "metrics.jsonl"
@@ -97,10 +98,11 @@ class MetricsLog:
         self._gauges = RayGauges(run_dir.name) if ray.is_initialized() else None
         self._start = time.monotonic() - wall_offset_s
         if progress and sys.stderr.isatty():
-            self._bar = tqdm(total=total_steps, initial=done_steps, desc="GRPO", unit="step", file=sys.stderr,
+            self._bar = tqdm(total=total_steps, initial=done_steps, desc=desc, unit="step", file=sys.stderr,
                              dynamic_ncols=True)
         else:  # `ray job logs` and files are no terminal: whole lines there, not carriage-return redraws
-            self._bar = PlainProgress(total_steps, sys.stderr, disable=not progress, initial=done_steps)
+            self._bar = PlainProgress(total_steps, sys.stderr, disable=not progress, initial=done_steps,
+                                      desc=desc)
 
     def log(self, step: int, **values: Any) -> dict[str, Any]:
         row = metrics_row(step, time.monotonic() - self._start, values)

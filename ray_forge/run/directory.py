@@ -30,10 +30,13 @@ class Run:
     """The run directory exists already (``--resume``)."""
 
 
-def open_run(config_path: str, overrides: list[str], resume: str | None) -> Run:
-    """The run to do. Nothing is created on disk here: :func:`create` does that once the
-    model and config have been checked."""
-    config = load_config(JobConfig, config_path, overrides)
+def open_run(config_path: str, overrides: list[str], resume: str | None, cls: type = JobConfig,
+             fixed: tuple[str, ...] | None = None) -> Run:
+    """The run to do (of a ``cls`` config: the GRPO job's, or another job's with its own
+    ``fixed`` keys). Nothing is created on disk here: :func:`create` does that once the model
+    and config have been checked."""
+    fixed = FIXED_ON_RESUME if fixed is None else fixed
+    config = load_config(cls, config_path, overrides)
     if resume is None:
         return Run(config, new_run_dir(config), None)
     run_dir = latest_unfinished(config) if resume == "auto" else Path(resume)
@@ -43,9 +46,9 @@ def open_run(config_path: str, overrides: list[str], resume: str | None) -> Run:
         raise ConfigError(f"--resume {run_dir}: not a run directory (it has no {CONFIG_FILE})")
     # The run keeps its own config; command-line overrides (e.g. more run.steps) apply on top,
     # except those that would change what the checkpoint's batches and shards mean.
-    saved = load_run_config(run_dir)
-    config = load_run_config(run_dir, overrides)
-    for key in FIXED_ON_RESUME:
+    saved = load_run_config(run_dir, cls=cls)
+    config = load_run_config(run_dir, overrides, cls)
+    for key in fixed:
         if _get(saved, key) != _get(config, key):
             raise ConfigError(f"--resume {run_dir}: {key} cannot change on resume ({_get(saved, key)!r} -> "
                               f"{_get(config, key)!r}): the checkpoint's batches, seeds and shards depend on it")
@@ -57,10 +60,10 @@ RENAMED = {"run.eval_mc_games": "env.options.blackjack.mc_games", "env.code": "e
 """Keys of configs written before envs were plugins, and where each went."""
 
 
-def load_run_config(run_dir: Path, overrides: list[str] = ()) -> JobConfig:
+def load_run_config(run_dir: Path, overrides: list[str] = (), cls: type = JobConfig) -> JobConfig:
     """The config a run kept; one written before a key moved fails saying where it went."""
     try:
-        return load_config(JobConfig, run_dir / CONFIG_FILE, overrides)
+        return load_config(cls, run_dir / CONFIG_FILE, overrides)
     except ConfigError as err:
         moved = [f"{old} is now {new}" for old, new in RENAMED.items() if f"'{old}" in str(err)]
         if moved:

@@ -1,0 +1,203 @@
+"""Supervised fine-tuning on the GRPO job's TorchTitan ranks (FSDP2; gloo on CPU, NCCL on GPU).
+
+    python jobs/sft.py --config jobs/configs/sft_tools_tiny.yaml data.train=conversations.jsonl
+    python jobs/sft.py --resume runs/sft-tiny-20261202-101500        # after a kill: exact
+    python jobs/grpo.py --config ... model.path=runs/sft-tiny-20261202-101500/final_model
+
+Conversations (``{"messages": [...], "tools": [...]}``, JSONL or Parquet) are rendered by the
+model's chat template through the rollouts' sequence builder, loss on assistant tokens only
+(``ray_forge/core/sft.py``), and packed. Each step trains on ``data.batch_size`` conversations;
+the held-out loss is logged every ``run.eval_every`` steps, every row to ``metrics.jsonl``; a
+checkpoint every ``run.checkpoint_every`` steps; the result is ``final_model``, an HF folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from ray_forge.actors.launch import chat_tokenizer, start_trainer_ranks
+from ray_forge.actors.trainer_group import TrainerGroup
+from ray_forge.cluster import pools
+from ray_forge.config import ConfigError
+from ray_forge.config.schema import SFTConfig
+from ray_forge.core import checkpoint, sft
+from ray_forge.core.checkpoint import CheckpointError
+from ray_forge.models.tiny import ModelError, check_model_dir, make_tiny_qwen3
+from ray_forge.observe.metrics import MetricsLog
+from ray_forge.remote import RemoteCallError
+from ray_forge.run.directory import FINISHED_FILE, Run, create, open_run, truncate_metrics
+from ray_forge.run.export import save_hf_folder
+
+log = logging.getLogger("sft")
+
+FIXED_ON_RESUME = ("run.seed", "data.train", "data.eval", "data.eval_fraction", "data.batch_size", "data.max_tokens",
+                   "data.pack", "trainer.num_ranks", "model.path", "model.tiny")
+"""What a resumed run keeps from its saved config: the batches and shards depend on it."""
+
+
+def prepare_model(config: SFTConfig, run_dir: Path, conversations: list[sft.Conversation]) -> str:
+    """``model.path``, or a tiny chat model made from the conversations' texts (kept on resume)."""
+    if config.model.path:
+        return str(check_model_dir(config.model.path))
+    made = run_dir / "initial_model"
+    if (made / "config.json").is_file():
+        return str(check_model_dir(made))
+    return str(make_tiny_qwen3(made, corpus_of(conversations), config.model.tiny, chat=True))
+
+
+def corpus_of(conversations: list[sft.Conversation]) -> list[str]:
+    """What a tiny tokenizer is trained on: the messages, their tool calls and the tool schemas."""
+    texts = [json.dumps(c.tools) for c in conversations if c.tools]
+    return texts + [m["content"] + json.dumps(m.get("tool_calls") or "") for c in conversations for m in c.messages]
+
+
+def rows_of(tokenizer, conversations: list[sft.Conversation]) -> list[list[sft.Row]]:
+    """Each conversation's rows (one, or one per segment)."""
+    return [sft.render(tokenizer, c) for c in conversations]
+
+
+def step_rows(config: SFTConfig, rows: list[list[sft.Row]], step: int) -> list[sft.Packed]:
+    """The packed rows of training step ``step``."""
+    chosen = [row for i in sft.batch_of(len(rows), config.data.batch_size, step, config.run.seed) for row in rows[i]]
+    return as_packed(config, chosen)
+
+
+def as_packed(config: SFTConfig, rows: list[sft.Row]) -> list[sft.Packed]:
+    return sft.pack(rows, config.data.max_tokens, together=config.data.pack)
+
+
+async def train(config: SFTConfig, trainer: TrainerGroup, run_dir: Path, train_rows, eval_rows, first_step: int,
+                wall_offset_s: float) -> dict:
+    metrics = MetricsLog(run_dir, config.run.steps, progress=config.run.progress, done_steps=first_step - 1,
+                         wall_offset_s=wall_offset_s, desc="SFT")
+    held_out = ray.put(eval_rows) if eval_rows else None
+    row: dict = {}
+    try:
+        for step in range(first_step, config.run.steps + 1):
+            start = time.monotonic()
+            packed = step_rows(config, train_rows, step)
+            row = await trainer.sft_step(ray.put(packed))
+            row.update(rows=len(packed), loss_tokens=sum(p.loss_tokens for p in packed),
+                       tokens=sum(len(p.token_ids) for p in packed))
+            if held_out is not None and (step == config.run.steps or (config.run.eval_every
+                                                                     and step % config.run.eval_every == 0)):
+                row["eval_loss"] = await trainer.sft_eval(held_out)
+            if step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
+                row["checkpoint_s"] = await save_checkpoint(config, trainer, run_dir, step)
+            row["step_time_s"] = time.monotonic() - start
+            metrics.log(step, **row)
+            metrics.advance(loss=row["loss"], eval_loss=row.get("eval_loss"))
+    finally:
+        metrics.close()
+    return row
+
+
+async def save_checkpoint(config: SFTConfig, trainer: TrainerGroup, run_dir: Path, step: int) -> float:
+    start = time.monotonic()
+    staging = checkpoint.staging_dir(run_dir, step)
+    try:
+        await trainer.save_checkpoint(str(staging))
+    except ray.exceptions.RayTaskError as err:
+        raise checkpoint.failed(run_dir, step, staging, RuntimeError(str(err).strip().splitlines()[-1])) from None
+    expected = [checkpoint.DCP_METADATA] + [checkpoint.rank_file(r) for r in range(config.trainer.num_ranks)]
+    checkpoint.commit(run_dir, step, staging, {"step": step}, config.run.keep_checkpoints, expected)
+    return time.monotonic() - start
+
+
+async def run_job(run: Run, model_dir: str, train_rows, eval_rows) -> dict:
+    config, run_dir = run.config, run.run_dir
+    namespace = run_dir.name + (f"-resumed-{time.strftime('%H%M%S')}" if run.resumed else "")
+    started_ray = pools.connect(config.cluster, namespace=namespace)
+    placement = pools.Pools(config.cluster, {config.trainer.resources.pool: [("trainer", config.trainer.resources)]
+                                             * config.trainer.num_ranks})
+    ranks = start_trainer_ranks(config.trainer, placement.slots["trainer"], model_dir, config.run.steps)
+    trainer = TrainerGroup(ranks, config.trainer.call_timeout_s)
+    try:
+        num_params = trainer.setup()
+        log.info("%d trainer ranks, %.2fM params, %d train and %d held-out conversations", len(ranks),
+                 num_params / 1e6, len(train_rows), len(eval_rows))
+        first_step, wall = 1, 0.0
+        if run.resume_from is not None:
+            done = await trainer.load_checkpoint(str(run.resume_from))
+            if done != checkpoint.read_driver_state(run.resume_from)["step"]:
+                raise CheckpointError(f"{run.resume_from}: the trainer's shards are at step {done}, its driver state "
+                                      "at another")
+            first_step, wall = done + 1, truncate_metrics(run_dir, done)
+            log.info("resumed %s from %s: step %d", run_dir, run.resume_from.name, done)
+        elif run.resumed:
+            wall = truncate_metrics(run_dir, 0)
+        last = await train(config, trainer, run_dir, train_rows, held_out_packed(config, eval_rows), first_step, wall)
+        await save_hf_folder(trainer, model_dir, run_dir / "final_model", config.run.steps, config.trainer.dtype)
+        summary = dict(run_dir=str(run_dir), final_model=str(run_dir / "final_model"), steps=config.run.steps,
+                       loss=last.get("loss"), eval_loss=last.get("eval_loss"))
+        (run_dir / FINISHED_FILE).write_text(json.dumps(summary, indent=2))
+        log.info("final model: %s", run_dir / "final_model")
+        return summary
+    finally:
+        trainer.shutdown()
+        for rank in ranks:
+            ray.kill(rank, no_restart=True)
+        placement.release()
+        if started_ray:
+            ray.shutdown()
+
+
+def held_out_packed(config: SFTConfig, eval_rows: list[list[sft.Row]]) -> list[sft.Packed]:
+    return as_packed(config, [row for rows in eval_rows for row in rows]) if eval_rows else []
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(Path(__file__).parent / "configs" / "sft_tools_tiny.yaml"))
+    parser.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its newest checkpoint")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-3 run.steps=50")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run = open_run(args.config, args.overrides, args.resume, cls=SFTConfig, fixed=FIXED_ON_RESUME)
+    config = run.config
+    if not config.data.train:
+        raise ConfigError("data.train is empty: give a JSONL or Parquet file of conversations")
+    conversations = sft.load_conversations(config.data.train)
+    if config.data.eval:
+        train_set, eval_set = conversations, sft.load_conversations(config.data.eval)
+    else:
+        train_set, eval_set = sft.split(conversations, config.data.eval_fraction, config.run.seed)
+    if config.model.path:
+        check_model_dir(config.model.path)
+    create(run)
+    log.info("run directory: %s%s", run.run_dir, " (resumed)" if run.resumed else "")
+    model_dir = prepare_model(config, run.run_dir, train_set)
+    tokenizer = chat_tokenizer(model_dir)
+    start = time.monotonic()
+    train_rows, eval_rows = rows_of(tokenizer, train_set), rows_of(tokenizer, eval_set)
+    log.info("rendered %d conversations in %.1f s", len(train_set) + len(eval_set), time.monotonic() - start)
+    try:
+        summary = asyncio.run(run_job(run, model_dir, train_rows, eval_rows))
+    except (RemoteCallError, CheckpointError, TimeoutError) as err:
+        raise SFTStopped(f"{err}; resume with: python jobs/sft.py --resume {run.run_dir}") from err
+    print(json.dumps(summary))
+    return summary
+
+
+class SFTStopped(RuntimeError):
+    """A run stopped on an expected fault; the message ends with the command that resumes it."""
+
+
+def cli() -> None:
+    try:
+        main()
+    except (SFTStopped, ConfigError, ModelError, sft.DataError) as err:
+        print(f"sft: error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli()
