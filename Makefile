@@ -1,6 +1,8 @@
 # Two commands do all set-up on a fresh Linux x86_64 machine with Python 3.11:
 #   make demo   # BlackJack GRPO on an embedded local Ray cluster
 #   make test   # the test suite
+# and a third demo, on the same venv:
+#   make demo-tools   # a tiny model learns to use the python tool: SFT warm start, then GRPO
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +12,7 @@ TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 ARGS ?=
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo demo-tools test test-fast venv clean
 
 venv: $(VENV)/.installed
 
@@ -28,6 +30,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 demo: venv
 	$(BIN)/python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml $(ARGS)
+
+demo-tools: venv
+	$(BIN)/python jobs/demo_tools.py $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q -ra tests $(ARGS)

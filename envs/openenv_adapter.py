@@ -23,6 +23,7 @@ from typing import Any, Callable, Coroutine, Literal, Protocol
 from envs.blackjack import ACTION_WORDS, State, parse_action, render_state
 from envs.blackjack.env import outcome_text
 from ray_forge.core.env import EnvMaker, EnvSpec, StepResult, TextEnv
+from ray_forge.core.tools import ToolError
 
 
 class OpenEnvError(RuntimeError):
@@ -137,6 +138,7 @@ class OpenEnvTextEnv(TextEnv):
         self._timeout_s = options.connect_timeout_s + options.message_timeout_s + 5.0
         self._observation: dict | None = None
         self._action_words = self.codec.action_words
+        self._tools: list[dict] | None = None
 
     @property
     def action_words(self) -> tuple[str, ...] | None:
@@ -149,7 +151,16 @@ class OpenEnvTextEnv(TextEnv):
         self._observation = result.observation
         if isinstance(self.codec, TextCodec) and result.observation.get("action_words"):
             self._action_words = tuple(result.observation["action_words"])
+        self._tools = result.observation.get("tools") or []
         return self.codec.prompt(result.observation)
+
+    def tools(self) -> list:
+        """The served episode's tools, each a call over this game's session."""
+        if not isinstance(self.codec, TextCodec):
+            return []
+        if self._tools is None:
+            self.reset(0)  # a text server lists its tools in every observation
+        return [RemoteTool(self, schema) for schema in self._tools]
 
     def step(self, action_text: str) -> StepResult:
         if self._observation is None:
@@ -186,6 +197,22 @@ class OpenEnvTextEnv(TextEnv):
                 reason += (" (each game in flight holds a session: start the server with more sessions, or "
                            "play fewer games at once)")
             raise OpenEnvError(f"OpenEnv server {self.url}: {what} failed: {reason}") from err
+
+
+class RemoteTool:
+    """One tool of a served episode: a call is a step that names it, and the episode goes on."""
+
+    def __init__(self, env: OpenEnvTextEnv, schema: dict) -> None:
+        self.env, self.schema, self.name = env, schema, schema["function"]["name"]
+
+    def __call__(self, arguments: dict) -> str:
+        result = self.env._call(self.env._client.step({"tool": self.name, "arguments": arguments}), "tool call")
+        observation = result.observation
+        if observation.get("info", {}).get("tool_error") == "raised":
+            raise ToolError(observation["text"])
+        if observation.get("info", {}).get("tool_error"):
+            raise RuntimeError(observation["text"])
+        return observation["text"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,15 @@ def write_demonstrations(out: Path, seed: int, mix: Mix) -> Path:
     return out
 
 
+def job(script: str, *argv: str) -> dict:
+    """Run a job script in its own process (its own Ray cluster), its log on this one's stderr;
+    returns the summary it prints last."""
+    done = subprocess.run([sys.executable, str(ROOT / script), *argv], stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{script} failed (exit {done.returncode}); its error is above")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0, help="seeds the demonstrations, the SFT and the GRPO run")
@@ -51,21 +61,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("grpo_overrides", nargs="*", help="dotted overrides of the GRPO run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from jobs import grpo, sft
-
     start = time.monotonic()
     out = Path(args.out).resolve()
     if args.sft_from:
         sft_dir = Path(args.sft_from).resolve()
     else:
         demos = write_demonstrations(out / f"demo-tools-{args.seed}-demonstrations.jsonl", args.seed, Mix())
-        sft_dir = Path(sft.main(["--config", str(SFT_CONFIG), f"data.train={demos}", f"run.seed={args.seed}",
-                                 f"run.output_dir={out}", f"run.name=demo-tools-sft-{args.seed}"])["run_dir"])
+        sft_dir = Path(job("sft.py", "--config", str(SFT_CONFIG), f"data.train={demos}", f"run.seed={args.seed}",
+                           f"run.output_dir={out}", f"run.name=demo-tools-sft-{args.seed}")["run_dir"])
     sft_s = time.monotonic() - start
     name = f"demo-tools-grpo-{args.seed}" + ("-refused" if args.refuse_tools else "")
-    summary = grpo.main(["--config", str(GRPO_CONFIG), f"model.path={sft_dir / 'final_model'}",
-                         f"run.seed={args.seed}", f"run.output_dir={out}", f"run.name={name}",
-                         f"env.episode.tools.refuse={str(args.refuse_tools).lower()}", *args.grpo_overrides])
+    summary = job("grpo.py", "--config", str(GRPO_CONFIG), f"model.path={sft_dir / 'final_model'}",
+                  f"run.seed={args.seed}", f"run.output_dir={out}", f"run.name={name}",
+                  f"env.episode.tools.refuse={str(args.refuse_tools).lower()}", *args.grpo_overrides)
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_sampled_solved" in r]
     result = dict(seed=args.seed, refused=args.refuse_tools, sft_dir=str(sft_dir), grpo_dir=summary["run_dir"],

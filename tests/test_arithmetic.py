@@ -103,15 +103,21 @@ def test_a_failing_program_is_a_tool_error_and_a_refused_call_runs_nothing(env):
 
 
 def test_demonstrations_follow_the_mix():
+    from envs.code.arithmetic import SYNTAX_ERROR
+
     train, _ = Arithmetic(train=2000, held_out=1).splits()
-    demos = demonstrations(train, Mix(tool=0.4, slip=0.1), seed=0)
-    calls = [d for d in demos if len(d["messages"]) == 4]
-    right = [d for d in calls if str(int(train[demos.index(d)].answer)) == d["messages"][-1]["content"]]
-    assert 0.45 < len(calls) / len(demos) < 0.55
-    assert 0.36 < len(right) / len(demos) < 0.44
+    demos = demonstrations(train, Mix(tool=0.4, broken=0.1), seed=0)
+    calls = [(d, t) for d, t in zip(demos, train) if len(d["messages"]) == 4]
+    right = [d for d, t in calls if d["messages"][-1]["content"] == str(int(t.answer))]
+    broken = [d for d, _ in calls if d["messages"][2]["content"] == SYNTAX_ERROR]
+    assert 0.45 < len(calls) / len(demos) < 0.55 and 0.36 < len(right) / len(demos) < 0.44
+    assert len(right) + len(broken) == len(calls)
+    for d, task in calls:  # every call copies the question's numbers exactly; a broken one lacks its ")"
+        code = d["messages"][1]["tool_calls"][0]["function"]["arguments"]["code"]
+        assert code.rstrip(")") == "print(" + task.prompt.removeprefix("What is ").removesuffix("?")
     for d, task in zip(demos, train):
-        if len(d["messages"]) == 2:  # a guess: as many digits as the answer, and wrong
-            assert len(d["messages"][1]["content"]) == len(str(int(task.answer)))
+        if d["messages"][-1]["content"] != str(int(task.answer)):  # a guess: as many digits as the answer
+            assert len(d["messages"][-1]["content"]) == len(str(int(task.answer)))
 
 
 def test_answer_tasks_load_from_files_and_gsm8k(tmp_path):

@@ -112,7 +112,7 @@ def test_bad_task_files_say_where(tmp_path):
     with pytest.raises(TaskError, match="list 'args' and an 'expected'"):
         load_tasks(path)
     path.write_text(json.dumps({"id": "a", "kind": "poem", "prompt": "p"}) + "\n")
-    with pytest.raises(TaskError, match="'kind' must be 'code' or 'math'"):
+    with pytest.raises(TaskError, match="'kind' must be one of code, math, stdio, answer, got 'poem'"):
         load_tasks(path)
     path.write_text(json.dumps({"id": "a", "kind": "math", "prompt": "p", "answer": "7"}) + "\n")
     with pytest.raises(TaskError, match="numeric 'answer'"):
@@ -164,6 +164,25 @@ def test_the_env_actor_stays_alive_after_a_hostile_program(ray_cluster):
         ray_cluster.kill(actor)
 
 
+def failed(tool, code: str) -> str:
+    """What the model reads of a call that failed: the tool raises it, as a ToolError (counted)."""
+    from ray_forge.core.tools import ToolError
+
+    with pytest.raises(ToolError) as err:
+        tool({"code": code})
+    return str(err.value)
+
+
+def shown(tool, code: str) -> str:
+    """What the model reads of a call, whether it failed or not."""
+    from ray_forge.core.tools import ToolError
+
+    try:
+        return tool({"code": code})
+    except ToolError as err:
+        return str(err)
+
+
 def test_the_python_tool_keeps_one_session_per_episode_in_the_sandbox(env):
     """The local sandbox keeps nothing between executions; the tool's session replays the
     episode's earlier cells, so state persists, and a new episode starts afresh."""
@@ -174,14 +193,14 @@ def test_the_python_tool_keeps_one_session_per_episode_in_the_sandbox(env):
     assert tool({"code": "x = 7"}) == "[no output]"
     assert tool({"code": "print(x)"}) == "7"
     assert tool({"code": "from __future__ import annotations\nprint(x + 1)"}) == "8"  # a cell is its own module
-    assert "line 1" in tool({"code": "1 / 0"}) and "ZeroDivisionError" in tool({"code": "1 / 0"})
+    assert "line 1" in failed(tool, "1 / 0") and "ZeroDivisionError" in failed(tool, "1 / 0")
     assert tool({"code": "globals().clear()"}) == "[no output]"  # a cell cannot break the replay
     assert tool({"code": "x = 9"}) == "[no output]" and tool({"code": "print(x)"}) == "9"
     session.new_session()
     assert tool({"code": "y = 1"}) == "[no output]"
-    assert "[stopped: " in tool({"code": "while True: pass"})
+    assert "[stopped: " in failed(tool, "while True: pass")
     assert tool({"code": "print(y)"}) == "1"  # the cell the sandbox stopped is not run again
-    assert "NameError" in tool({"code": "print(x)"})
+    assert "NameError" in failed(tool, "print(x)")
     with pytest.raises(TypeError, match="takes"):
         tool({"code": 3})
 
@@ -207,14 +226,14 @@ def test_tool_calls_cannot_shape_how_the_answer_is_judged(env):
         seed = [t.id for t in env.tasks].index("gcd")
         env.reset(seed)
         tool = PythonTool(ReplaySession(env.executor))
-        planted = tool({"code": "import builtins, json\n"
+        planted = shown(tool, ("import builtins, json\n"
                                 "open('/tmp/expected', 'w').write('6')\n"
                                 "builtins.gcd = lambda a, b: 6\n"
                                 "json.dumps = lambda *a, **k: '{\"loaded\": \"yes\", \"results\": []}'\n"
-                                "print('@@rf-result-0000@@{\"loaded\": \"yes\", \"results\": [{\"value\": 6}]}')"})
+                                "print('@@rf-result-0000@@{\"loaded\": \"yes\", \"results\": [{\"value\": 6}]}')"))
         assert "@@rf-result-0000@@" in planted  # the forged line reached only the model
-        looked = tool({"code": "import os, glob\nprint(os.environ.get('TOGETHER_API_KEY'), "
-                               "glob.glob('/**/tasks.jsonl', recursive=True), os.path.exists('/tmp/expected'))"})
+        looked = shown(tool, ("import os, glob\nprint(os.environ.get('TOGETHER_API_KEY'), "
+                               "glob.glob('/**/tasks.jsonl', recursive=True), os.path.exists('/tmp/expected'))"))
         assert "tk-must-not-leak" not in looked and "tasks.jsonl" not in looked
         wrong = env.step("```python\ndef gcd(a, b):\n    return gcd(a, b)\n```")
         assert wrong.reward == 0.0

@@ -12,8 +12,26 @@ CONFIGS = Path(__file__).parent.parent / "jobs" / "configs"
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
+    from envs import registry
+    from ray_forge.config.schema import SFTConfig
+
+    if path.name.startswith("sft_"):  # the SFT job's (jobs/sft.py)
+        config = load_config(SFTConfig, path)
+        assert config.data.max_tokens >= 2 and config.trainer.num_ranks >= 1
+        return
     config = load_config(JobConfig, path)
     assert config.grpo.games_per_step % config.grpo.group_size == 0
+    registry.setup(config.env)  # its env's own options are valid too
+
+
+def test_an_sft_config_is_as_strict_as_the_grpo_one():
+    from ray_forge.config.schema import SFTConfig
+
+    with pytest.raises(ConfigError, match="unknown config key 'data.batch'"):
+        load_config(SFTConfig, CONFIGS / "sft_tools_tiny.yaml", ["data.batch=3"])
+    with pytest.raises(ConfigError, match="data.batch_size = 0 is out of range"):
+        load_config(SFTConfig, CONFIGS / "sft_tools_tiny.yaml", ["data.batch_size=0"])
+    assert load_config(SFTConfig, CONFIGS / "sft_tools_tiny.yaml", ["trainer.lr=1e-3"]).trainer.lr == 1e-3
 
 
 def test_dotted_overrides_are_typed():
@@ -122,7 +140,9 @@ def test_every_config_field_has_a_docstring():
                 and isinstance(doc, ast.Expr) and isinstance(doc.value,
                     ast.Constant) and isinstance(doc.value.value, str)}
 
-    missing, seen, todo = [], set(), [JobConfig, *(spec.options for spec in SPECS.values())]
+    from ray_forge.config.schema import SFTConfig
+
+    missing, seen, todo = [], set(), [JobConfig, SFTConfig, *(spec.options for spec in SPECS.values())]
     while todo:
         cls = todo.pop()
         seen.add(cls)

@@ -145,3 +145,86 @@ def test_a_three_step_job_of_the_multi_turn_code_env_with_together_s_interpreter
     _check_the_tool_kept_its_session(summary, rows)
     assert f"x = {SECRET}" in executed and "print(x)" in executed
     assert key not in done.stdout + done.stderr  # the key is never logged
+
+
+# -- the tool workload's own job (jobs/configs/arith_tools_tiny.yaml) through the other backends --
+
+ARITH = ["--config", "jobs/configs/arith_tools_tiny.yaml", "run.steps=3", "run.eval_every=3", "run.progress=false",
+         "grpo.games_per_step=16", "grpo.group_size=8", "policy.kv_cache_mb=64", "cluster.include_dashboard=false",
+         "run.sync_check_every=3", "env.options.code.arithmetic.train=64", "env.options.code.arithmetic.held_out=8"]
+
+
+def _check_the_arithmetic_run(run_dir: Path) -> None:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: the evaluation before training
+    for row in rows[1:]:
+        assert row["num_games"] == 16 and row["tool_calls_per_episode"] > 0 and row["env_errors"] == 0
+    for row in (rows[0], rows[-1]):
+        assert 0.0 <= row["eval_sampled_solved"] <= 1.0 and row["eval_sampled_tool_calls"] > 0
+    summary = json.loads((run_dir / "eval.json").read_text())
+    assert len(summary["tasks"]) == 8 and all("sampled" in t for t in summary["tasks"])
+    assert all(t["tool_calls"] > 0 for t in summary["tasks"])
+    assert summary["pictures"] == [str(run_dir / "learning_curve.png"), str(run_dir / "tool_use.png")]
+    assert (run_dir / "tool_use.png").stat().st_size > 20_000
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_tool_workload_runs_three_steps_through_together_s_interpreter(tool_model, tmp_path):
+    from together_server import TogetherServer
+
+    key = "test-key-arithmetic"
+    with TogetherServer(key) as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(TOGETHER_API_KEY=key, TOGETHER_BASE_URL=server.url, PYTHONPATH=str(ROOT))
+        done = subprocess.run([sys.executable, "jobs/grpo.py", *ARITH, f"run.output_dir={tmp_path}",
+                               f"model.path={tool_model}", "cluster.address=local",
+                               "env.options.code.backend=together"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        executed = [r["body"]["code"] for r in server.behaviour.requests if r["body"]]
+    [run_dir] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    _check_the_arithmetic_run(run_dir)
+    assert f"x = {SECRET}" in executed and "print(x)" in executed  # the model's calls ran there
+    assert key not in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_the_tool_workload_runs_three_steps_through_the_code_env_s_openenv_server(tool_model, ray_cluster,
+                                                                                 tmp_path):
+    """The code env served by ``envs/openenv_server.py``, its python tool called over the game's
+    own session: the job plays, evaluates and trains through it as it does locally."""
+    from jobs import grpo
+    from test_openenv import serving
+
+    options = ["tool=true", "arithmetic.train=64", "arithmetic.held_out=8", "limits.wall_s=3"]
+    with serving("-m", "envs.openenv_server", "--env", "code", "--max-sessions", "96", *options) as (url, _):
+        summary = grpo.main([*ARITH, f"run.output_dir={tmp_path}", f"model.path={tool_model}",
+                             "env.name=openenv", f"env.options.openenv.url={url}", "env.options.openenv.kind=code",
+                             "env.options.openenv.concurrency=2"])
+    _check_the_arithmetic_run(Path(summary["run_dir"]))
+
+
+def test_a_served_episode_s_tool_keeps_its_session_and_reports_errors():
+    from envs.openenv_adapter import OpenEnvOptions, OpenEnvTextEnv
+    from ray_forge.core.tools import ToolError
+    from test_openenv import serving
+
+    with serving("-m", "envs.openenv_server", "--env", "code", "tool=true", "arithmetic.train=4",
+                 "arithmetic.held_out=2") as (url, _):
+        env = OpenEnvTextEnv(OpenEnvOptions(url=url, kind="code"), 0.0)
+        try:
+            [tool] = env.tools()
+            assert tool.name == "python" and tool.schema["function"]["name"] == "python"
+            prompt = env.reset(-1)  # a held-out question, as the evaluation deals it
+            assert prompt.startswith("What is ")
+            assert tool({"code": "x = 6 * 7"}) == "[no output]"
+            assert tool({"code": "print(x)"}) == "42"
+            with pytest.raises(ToolError, match="ZeroDivisionError"):
+                tool({"code": "1 / 0"})
+            answer = eval(prompt.split("?")[0].removeprefix("What is "))  # the test's own question
+            assert env.step(str(answer)).reward == 1.0
+        finally:
+            env.close()

@@ -24,7 +24,7 @@ SHAPE = TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num
 @pytest.fixture(scope="module")
 def conversations() -> list[sft.Conversation]:
     tasks, _ = Arithmetic(train=24, held_out=1).splits()
-    return [sft.Conversation(c["messages"], c["tools"]) for c in demonstrations(tasks, Mix(tool=0.5, slip=0.2), 0)]
+    return [sft.Conversation(c["messages"], c["tools"]) for c in demonstrations(tasks, Mix(tool=0.5, broken=0.2), 0)]
 
 
 @pytest.fixture(scope="module")

@@ -26,16 +26,17 @@ class Arithmetic:
     held_out: int = 200
     """Questions only the evaluation shows."""
     seed: int = 0
+    """Seeds the questions of both splits."""
     digits: tuple[int, int] = (4, 3)
-    """Digits of ``a`` and of ``b``; ``c`` has at most 2."""
+    """Digits of ``a`` and of ``b``; ``c`` has 2, the answer as many as ``a`` and ``b`` together."""
 
     def __post_init__(self) -> None:
         if self.train < 0 or self.held_out < 1:
             raise ValueError(f"arithmetic needs train >= 0 and held_out >= 1, got {self.train} and {self.held_out}")
         if len(self.digits) != 2 or not all(1 <= d <= 6 for d in self.digits):
             raise ValueError(f"arithmetic.digits must be two numbers of digits in 1..6, got {self.digits}")
-        possible = 9 * 10 ** (sum(self.digits) + 1)
-        if self.train + self.held_out > possible // 10:
+        possible = 10 ** (sum(self.digits) + 1)  # about: a, b, and 90 values of c, some answers too short
+        if self.train + self.held_out > possible // 100:
             raise ValueError(f"{self.train + self.held_out} questions of {self.digits} digits would repeat: ask fewer")
 
     def splits(self) -> tuple[list[Task], list[Task]]:
@@ -50,28 +51,40 @@ class Arithmetic:
 
 
 def question(rng: random.Random, digits: tuple[int, int]) -> Task:
-    a = rng.randrange(10 ** (digits[0] - 1), 10 ** digits[0])
-    b = rng.randrange(10 ** (digits[1] - 1), 10 ** digits[1])
-    c = rng.randrange(1, 100)
-    return Task(f"{a}*{b}+{c}", "answer", f"What is {a} * {b} + {c}?", answer=float(a * b + c))
+    """Every number of a width fixed by ``digits``: ``c`` has 2 digits and the answer as many as
+    ``a`` and ``b`` together. So a question and its answer always sit at the same offsets in the
+    chat, and what a tiny model must learn is to copy, not to count digits (a 6-digit answer
+    among 7-digit ones was miscopied most: measured)."""
+    while True:
+        a = rng.randrange(10 ** (digits[0] - 1), 10 ** digits[0])
+        b = rng.randrange(10 ** (digits[1] - 1), 10 ** digits[1])
+        c = rng.randrange(10, 100)
+        if len(str(a * b + c)) == sum(digits):
+            return Task(f"{a}*{b}+{c}", "answer", f"What is {a} * {b} + {c}?", answer=float(a * b + c))
 
 
 @dataclass(frozen=True, kw_only=True)
 class Mix:
     """Shares of the warm start's demonstrations; the rest are wrong guesses made without the tool.
 
-    Chosen so that the warm-started policy solves part of the held-out questions and leaves
-    room to learn: it calls the tool about as often as ``tool`` + ``slip`` and is right about
-    ``tool`` of the time (what GRPO then raises), the guesses being what RL must unlearn."""
+    Chosen so that the warm-started policy solves part of the held-out questions and leaves room
+    to learn: it calls the tool about as often as ``tool`` + ``broken`` and is right about ``tool``
+    of the time, the guesses and broken calls being what RL must unlearn. A mistake is a call
+    that fails, never a miscopied digit: demonstrations that miscopy teach the model to copy
+    noisily, which sampling then does on every call (measured: the sampled pass rate stalled at
+    two thirds of the greedy one)."""
 
     tool: float = 0.4
     """The tool called with the question's numbers, and its output given as the answer."""
-    slip: float = 0.1
-    """The tool called with one digit miscopied, and its (wrong) output given as the answer."""
+    broken: float = 0.1
+    """The tool called with code that does not compile; after its error, a guess."""
 
     def __post_init__(self) -> None:
-        if not (0 <= self.tool and 0 <= self.slip and self.tool + self.slip <= 1):
-            raise ValueError(f"mix shares must be >= 0 and add up to at most 1, got {self.tool} and {self.slip}")
+        if not (0 <= self.tool and 0 <= self.broken and self.tool + self.broken <= 1):
+            raise ValueError(f"mix shares must be >= 0 and add up to at most 1, got {self.tool} and {self.broken}")
+
+
+SYNTAX_ERROR = "SyntaxError: '(' was never closed"
 
 
 def demonstrations(tasks: list[Task], mix: Mix, seed: int) -> list[dict]:
@@ -84,35 +97,19 @@ def demonstrations(tasks: list[Task], mix: Mix, seed: int) -> list[dict]:
     out = []
     for task in tasks:
         messages = [{"role": "user", "content": show(task, tool=True)}]
-        draw = rng.random()
-        if draw < mix.tool + mix.slip:
-            expression = _expression(task) if draw < mix.tool else _slipped(_expression(task), rng)
-            value = str(_value(expression))  # what the tool prints
+        draw, answer = rng.random(), str(int(task.answer))
+        if draw < mix.tool + mix.broken:
+            broken = draw >= mix.tool
+            code = f"print({_expression(task)}" + ("" if broken else ")")
             messages += [{"role": "assistant", "content": "", "tool_calls": [
-                             {"type": "function", "function": {"name": "python",
-                                                               "arguments": {"code": f"print({expression})"}}}]},
-                         {"role": "tool", "name": "python", "content": value},
-                         {"role": "assistant", "content": value}]
-        else:
-            digits = len(str(int(task.answer)))
-            messages.append({"role": "assistant", "content": str(rng.randrange(10 ** (digits - 1), 10 ** digits))})
+                             {"type": "function", "function": {"name": "python", "arguments": {"code": code}}}]},
+                         {"role": "tool", "name": "python", "content": SYNTAX_ERROR if broken else answer}]
+        if not messages[-1]["content"] == answer:
+            answer = str(rng.randrange(10 ** (len(answer) - 1), 10 ** len(answer)))  # a guess of as many digits
+        messages.append({"role": "assistant", "content": answer})
         out.append({"messages": messages, "tools": [SCHEMA]})
     return out
 
 
 def _expression(task: Task) -> str:
     return task.prompt.removeprefix("What is ").removesuffix("?")
-
-
-def _value(expression: str) -> int:
-    a, rest = expression.split(" * ")
-    b, c = rest.split(" + ")
-    return int(a) * int(b) + int(c)
-
-
-def _slipped(expression: str, rng: random.Random) -> str:
-    """``expression`` with one digit changed (never the first of a number: no leading zero)."""
-    places = [i for i, ch in enumerate(expression) if ch.isdigit() and i > 0 and expression[i - 1].isdigit()]
-    i = rng.choice(places)
-    digit = rng.choice([d for d in "0123456789" if d != expression[i]])
-    return expression[:i] + digit + expression[i + 1:]

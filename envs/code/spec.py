@@ -15,7 +15,7 @@ from envs.code.python_tool import SCHEMA, ReplaySession
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import BUNDLED, Task, load_tasks
 from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayEpisodes
-from ray_forge.observe.plots import learning_curve_png
+from ray_forge.observe.plots import learning_curve_png, tool_use_png
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +147,10 @@ def _solved(rows: list[dict]) -> dict[str, float]:
 
 
 def pictures(options: CodeOptions, run_dir: Path, rows: list[dict], final: dict) -> list[Path]:
-    return [learning_curve_png(rows, Path(run_dir) / "learning_curve.png", "coding and math tasks")]
+    made = [learning_curve_png(rows, Path(run_dir) / "learning_curve.png", "coding and math tasks")]
+    if options.tool:
+        made.append(tool_use_png(rows, Path(run_dir) / "tool_use.png", "the python tool in the loop"))
+    return made
 
 
 def concurrency(options: CodeOptions) -> int:

@@ -337,7 +337,7 @@ def _parse(obj: Any, where: str) -> Task:
     if kind is not None and kind not in KINDS:
         raise TaskError(f"{where}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
     if kind in ("math", "answer"):
-        if isinstance(obj.get("answer"), str):
+        if isinstance(obj.get("answer"), str) and "####" in obj["answer"]:
             return _gsm8k(obj, where)
         return _math(obj, where, kind)
     if kind is None and isinstance(obj.get("answer"), str) and "####" in obj["answer"]:

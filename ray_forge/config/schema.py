@@ -442,6 +442,7 @@ class SFTDataConfig:
     eval: str = ""
     """Held-out conversations; empty: ``eval_fraction`` of ``train``, split off with ``run.seed``."""
     eval_fraction: float = 0.05
+    """Share of ``train`` held out when ``eval`` is empty."""
     batch_size: int = 32
     """Conversations per step (before packing)."""
     max_tokens: int = 1024
@@ -453,15 +454,21 @@ class SFTDataConfig:
 @dataclass(frozen=True, kw_only=True)
 class SFTRunConfig:
     name: str = "sft"
+    """Name of the run; its directory is ``<output_dir>/<name>-<timestamp>``."""
     output_dir: str = "runs"
+    """Run directories are created under this folder."""
     steps: int = 200
+    """Optimizer steps, each on ``data.batch_size`` conversations."""
     seed: int = 0
     """Seeds the held-out split, the batches' order and a tiny model's weights."""
     eval_every: int = 50
     """Held-out loss every N steps, and at the last (0: only at the last)."""
     checkpoint_every: int = 100
+    """Write a checkpoint every N steps, and at the last; ``--resume`` continues from it."""
     keep_checkpoints: int = 2
+    """Checkpoints kept in the run directory."""
     progress: bool = True
+    """Show a progress line."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -469,11 +476,15 @@ class SFTConfig:
     """``jobs/sft.py``: supervised fine-tuning on the GRPO job's TorchTitan ranks."""
 
     run: SFTRunConfig = field(default_factory=SFTRunConfig)
+    """The run: its name, length, evaluations and checkpoints."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where it runs: an embedded local Ray cluster or an existing one."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to fine-tune, or a tiny one made from the conversations' texts."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The TorchTitan ranks, as in the GRPO job."""
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    """The conversations and how they are batched."""
 
     def __post_init__(self) -> None:
         from ray_forge.config import ConfigError

@@ -114,3 +114,36 @@ def returns_against_time_png(runs: dict[str, list[tuple[float, float]]], path: s
     axes.grid(alpha=0.3)
     fig.suptitle(title or "evaluation return against time")
     return save(fig, path)
+
+
+def tool_use_png(rows: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """A tool-using run: the held-out pass rate (sampled and greedy) against wall time; the tool
+    calls per episode, the share of calls that failed, and the tokens per episode against steps."""
+    fig = figure()
+    top, middle, bottom = fig.subplots(3, 1, height_ratios=(2, 1, 1))
+    evals = [r for r in rows if r.get("eval_solved") is not None]
+    for key, label, color in (("eval_sampled_solved", "held-out pass rate, sampled (T=1)", "tab:green"),
+                              ("eval_solved", "held-out pass rate, greedy", "tab:olive")):
+        points = [(r["wall_time_s"] / 60, r[key]) for r in evals if r.get(key) is not None]
+        if points:
+            top.plot(*zip(*points), "o-", color=color, lw=2, label=label)
+    top.set_xlabel("minutes since the run started")
+    top.set_ylabel("pass rate")
+    top.set_ylim(0, 1)
+    top.legend(loc="lower right")
+    top.grid(alpha=0.3)
+    train = [r for r in rows if r.get("tool_calls_per_episode") is not None]
+    steps = [r["step"] for r in train]
+    calls = [r["tool_calls_per_episode"] for r in train]
+    failed = [r.get("tool_errors", 0) / max(1e-9, r["tool_calls_per_episode"] * r["num_games"]) for r in train]
+    middle.plot(steps, calls, color="tab:blue", lw=2, label="tool calls per episode")
+    middle.plot(steps, failed, color="tab:red", lw=2, label="share of calls that failed")
+    middle.legend(loc="center right")
+    middle.grid(alpha=0.3)
+    bottom.plot(steps, [r["tokens_per_episode"] for r in train], color="tab:purple", lw=2)
+    bottom.set_ylabel("tokens per episode")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    if title:
+        top.set_title(title)
+    return save(fig, path)
