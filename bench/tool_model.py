@@ -77,9 +77,9 @@ def demonstrations(chat: ChatFormat, prompts: list[str]):
     return rows
 
 
-def make_tool_caller(folder: Path, corpus: list[str], max_steps: int = 400) -> Path:
+def make_tool_caller(folder: Path, corpus: list[str], tasks: list | None = None, max_steps: int = 400) -> Path:
     """The tiny chat model in ``folder`` with :data:`FOLDER_TEMPLATE`, trained until it follows the
-    script on every bundled task."""
+    script on every one of ``tasks`` (the bundled ones by default)."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     make_tiny_qwen3(folder, corpus, SHAPE, chat=True)
@@ -87,7 +87,7 @@ def make_tool_caller(folder: Path, corpus: list[str], max_steps: int = 400) -> P
     tokenizer.chat_template = FOLDER_TEMPLATE  # the folder's own, which the job must use
     tokenizer.save_pretrained(folder)
     chat = ChatFormat(tokenizer, [SCHEMA])
-    rows = demonstrations(chat, [show(task, tool=True) for task in load_tasks()])
+    rows = demonstrations(chat, [show(task, tool=True) for task in tasks or load_tasks()])
     width = max(len(ids) for ids, _ in rows)
     inputs = torch.zeros(len(rows), width, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)

@@ -78,3 +78,51 @@ def test_a_dead_trainer_stops_the_job_with_one_line_and_the_resume_command(ray_c
     assert last.startswith("grpo: error: trainer-0.") and "the actor died" in last, last
     assert last.endswith(f"resume with: python jobs/grpo.py --resume {run_dir}"), last
     assert "Traceback" not in stderr
+
+
+class _StillFleet:
+    """A fleet whose plays finish only when the test says: the monkey's pacing, without actors."""
+
+    def __init__(self) -> None:
+        self.members = {"env-0": "env-0", "env-1": "env-1"}
+        self.plays_done = 0
+
+    def ray_restarts(self, name: str) -> None:
+        return None  # unknown: taken as up
+
+
+def test_the_monkey_never_kills_twice_before_a_chunk_has_finished(monkeypatch):
+    """However fast its clock, it waits for the fleet's progress: a slow machine gets fewer kills,
+    never a run in which no chunk can finish between two of them."""
+    import asyncio
+
+    import ray
+
+    from ray_forge.config.schema import ChaosConfig
+    from ray_forge.run.chaos import chaos_monkey
+
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: None)
+    fleet, kills = _StillFleet(), []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        monkey = asyncio.create_task(chaos_monkey(ChaosConfig(every_s=0.01, targets=("env",)), fleet, stop, kills))
+        await _until(lambda: len(kills) == 1)
+        await asyncio.sleep(2.0)  # past the kill's 1 s settling: many ticks of the clock, no play done
+        assert len(kills) == 1, kills
+        fleet.plays_done += 1
+        await _until(lambda: len(kills) == 2)
+        stop.set()
+        await asyncio.wait_for(monkey, timeout=5)
+
+    asyncio.run(scenario())
+
+
+async def _until(holds, timeout_s: float = 60.0) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not holds():
+        assert time.monotonic() < deadline, "not within the timeout"
+        await asyncio.sleep(0.05)

@@ -151,26 +151,44 @@ def test_a_three_step_job_of_the_multi_turn_code_env_with_together_s_interpreter
 
 ARITH = ["--config", "jobs/configs/arith_tools_tiny.yaml", "run.steps=3", "run.eval_every=3", "run.progress=false",
          "grpo.games_per_step=16", "grpo.group_size=8", "policy.kv_cache_mb=64", "cluster.include_dashboard=false",
-         "run.sync_check_every=3", "env.options.code.arithmetic.train=64", "env.options.code.arithmetic.held_out=8"]
+         "run.sync_check_every=3", "env.options.code.arithmetic.train=64", "env.options.code.arithmetic.held_out=8",
+         "trainer.lr=1e-5"]  # the scripted model stays on its script for the checks
+
+
+ARITH_TASKS = {"train": 64, "held_out": 8}
+
+
+@pytest.fixture(scope="module")
+def arith_model(tmp_path_factory) -> str:
+    """The scripted tool caller, trained on the questions these jobs deal and hold out."""
+    from envs.code.arithmetic import Arithmetic
+    from envs.code.spec import CodeOptions, corpus
+
+    options = CodeOptions(tool=True, arithmetic=Arithmetic(**ARITH_TASKS))
+    tasks = options.task_list() + options.eval_list()
+    return str(make_tool_caller(tmp_path_factory.mktemp("models") / "arith_caller", corpus(options), tasks))
 
 
 def _check_the_arithmetic_run(run_dir: Path) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: the evaluation before training
     for row in rows[1:]:
-        assert row["num_games"] == 16 and row["tool_calls_per_episode"] > 0 and row["env_errors"] == 0
+        assert row["num_games"] == 16 and row["tool_calls_per_episode"] > 0
     for row in (rows[0], rows[-1]):
         assert 0.0 <= row["eval_sampled_solved"] <= 1.0 and row["eval_sampled_tool_calls"] > 0
     summary = json.loads((run_dir / "eval.json").read_text())
     assert len(summary["tasks"]) == 8 and all("sampled" in t for t in summary["tasks"])
-    assert all(t["tool_calls"] > 0 for t in summary["tasks"])
+    for task in summary["tasks"]:  # the greedy script: x set in one call, read in the next, then "7"
+        tools = [m["content"] for m in task["messages"] if m["role"] == "tool"]
+        assert tools == ["[no output]", SECRET] and task["tool_calls"] == 2, task["messages"]
+        assert task["tool_errors"] == 0 and task["error"] is None and task["reward"] == 0.0  # "7": wrong
     assert summary["pictures"] == [str(run_dir / "learning_curve.png"), str(run_dir / "tool_use.png")]
     assert (run_dir / "tool_use.png").stat().st_size > 20_000
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_the_tool_workload_runs_three_steps_through_together_s_interpreter(tool_model, tmp_path):
+def test_the_tool_workload_runs_three_steps_through_together_s_interpreter(arith_model, tmp_path):
     from together_server import TogetherServer
 
     key = "test-key-arithmetic"
@@ -178,7 +196,7 @@ def test_the_tool_workload_runs_three_steps_through_together_s_interpreter(tool_
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(TOGETHER_API_KEY=key, TOGETHER_BASE_URL=server.url, PYTHONPATH=str(ROOT))
         done = subprocess.run([sys.executable, "jobs/grpo.py", *ARITH, f"run.output_dir={tmp_path}",
-                               f"model.path={tool_model}", "cluster.address=local",
+                               f"model.path={arith_model}", "cluster.address=local",
                                "env.options.code.backend=together"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -192,7 +210,7 @@ def test_the_tool_workload_runs_three_steps_through_together_s_interpreter(tool_
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm
-def test_the_tool_workload_runs_three_steps_through_the_code_env_s_openenv_server(tool_model, ray_cluster,
+def test_the_tool_workload_runs_three_steps_through_the_code_env_s_openenv_server(arith_model, ray_cluster,
                                                                                  tmp_path):
     """The code env served by ``envs/openenv_server.py``, its python tool called over the game's
     own session: the job plays, evaluates and trains through it as it does locally."""
@@ -201,7 +219,7 @@ def test_the_tool_workload_runs_three_steps_through_the_code_env_s_openenv_serve
 
     options = ["tool=true", "arithmetic.train=64", "arithmetic.held_out=8", "limits.wall_s=3"]
     with serving("-m", "envs.openenv_server", "--env", "code", "--max-sessions", "96", *options) as (url, _):
-        summary = grpo.main([*ARITH, f"run.output_dir={tmp_path}", f"model.path={tool_model}",
+        summary = grpo.main([*ARITH, f"run.output_dir={tmp_path}", f"model.path={arith_model}",
                              "env.name=openenv", f"env.options.openenv.url={url}", "env.options.openenv.kind=code",
                              "env.options.openenv.concurrency=2"])
     _check_the_arithmetic_run(Path(summary["run_dir"]))

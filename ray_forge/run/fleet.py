@@ -49,6 +49,8 @@ class Fleet:
         self.lost: set[str] = set()
         self.restarts = 0
         self.replayed_games = 0
+        self.plays_done = 0
+        """Chunks played to the end: the chaos monkey waits for one between its kills."""
 
     async def start(self) -> None:
         """Record each member's process, to tell a restart from a slow answer later."""
@@ -69,9 +71,11 @@ class Fleet:
             try:
                 # A key of its own per attempt: an env actor that was only unreachable may still be
                 # playing the first attempt, and two plays must never share an env.
-                return await call(self.members[env].play.remote(self.members[policy], policy, groups, settings,
-                                                                (key, attempt), sink),
-                                  timeout_s=settings.play_limit_s + 60, what=f"{env}.play")
+                played = await call(self.members[env].play.remote(self.members[policy], policy, groups, settings,
+                                                                  (key, attempt), sink),
+                                    timeout_s=settings.play_limit_s + 60, what=f"{env}.play")
+                self.plays_done += 1
+                return played
             except RemoteCallError as err:
                 if not err.died or err.actor not in self.members:
                     raise
