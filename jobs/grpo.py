@@ -54,7 +54,7 @@ from ray_forge.observe.metrics import MetricsLog, metrics_row, read_metrics
 from ray_forge.remote import RemoteCallError, call, computed, get
 from ray_forge.run import sync_check
 from ray_forge.run.chaos import chaos_monkey
-from ray_forge.run.directory import FINISHED_FILE, Run, create, open_run, truncate_metrics
+from ray_forge.run.directory import EVALUATIONS_DIR, FINISHED_FILE, Run, create, open_run, truncate_metrics
 from ray_forge.run.export import SAVED_STEP, save_hf_folder
 from ray_forge.run.fleet import Fleet, FleetError
 from ray_forge.weights import WeightSyncError
@@ -235,6 +235,14 @@ async def evaluate(config: JobConfig, actors: Actors, fleet: Fleet, final: bool 
     raise AssertionError("unreachable")
 
 
+def keep_evaluation(run_dir: Path, step: int, result: dict) -> None:
+    """Every evaluation's whole result (its episodes, for an env that keeps them), beside the
+    metrics row that has its numbers: ``evaluations/step-<N>.json``."""
+    folder = run_dir / EVALUATIONS_DIR
+    folder.mkdir(exist_ok=True)
+    (folder / f"step-{step:05d}.json").write_text(json.dumps(result, indent=1))
+
+
 async def timed(work, key: str) -> tuple[object, dict[str, float]]:
     """(what the awaitable ``work`` returns, {key: seconds it took}); (None, {}) for no work."""
     if work is None:
@@ -295,7 +303,8 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
     carried = dict(progress.counts)
     try:
         if config.run.eval_before_train and progress.step == 0:
-            (_, row), eval_s = await timed(evaluate(config, actors, fleet), "eval_s")
+            (result, row), eval_s = await timed(evaluate(config, actors, fleet), "eval_s")
+            keep_evaluation(run_dir, 0, result)
             progress.evals.append(dict(row, step=0))
             metrics.log(0, **row, **eval_s)
         for step in range(progress.step + 1, config.run.steps + 1):
@@ -326,7 +335,8 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
                        tokens_per_s=state.generated_tokens / rollout_s, episodes_per_s=state.played_games / rollout_s,
                        **accounting(buffer_stats, fleet, state, carried))
             if evaluated is not None:
-                _, eval_row = evaluated
+                result, eval_row = evaluated
+                keep_evaluation(run_dir, step, result)
                 row.update(eval_row, **eval_s)
                 progress.evals.append(dict(eval_row, step=step))
                 # The best policy is saved from the trainer: only an evaluation of the same weights may pick it.

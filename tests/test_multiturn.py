@@ -183,6 +183,10 @@ def _check_the_arithmetic_run(run_dir: Path) -> None:
         assert tools == ["[no output]", SECRET] and task["tool_calls"] == 2, task["messages"]
         assert task["tool_errors"] == 0 and task["error"] is None and task["reward"] == 0.0  # "7": wrong
     assert summary["pictures"] == [str(run_dir / "learning_curve.png"), str(run_dir / "tool_use.png")]
+    kept = sorted(p.name for p in (run_dir / "evaluations").iterdir())
+    assert kept == ["step-00000.json", "step-00003.json"]  # every evaluation's episodes, the first included
+    first = json.loads((run_dir / "evaluations" / "step-00000.json").read_text())
+    assert [t["id"] for t in first["tasks"]] == [t["id"] for t in summary["tasks"]] and first["policy_version"] == 0
     assert (run_dir / "tool_use.png").stat().st_size > 20_000
 
 

@@ -18,6 +18,8 @@ from ray_forge.core import checkpoint
 CONFIG_FILE = "config.yaml"
 FINISHED_FILE = "eval.json"
 """Written when a run has ended; ``--resume auto`` starts afresh after a finished run."""
+EVALUATIONS_DIR = "evaluations"
+"""Each evaluation's whole result, one file per step (``jobs/grpo.py``)."""
 
 
 @dataclass(frozen=True)
