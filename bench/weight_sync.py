@@ -329,7 +329,7 @@ def summarize(results: dict, memcpy: float, tcp_ceiling: float, nbytes: int, buc
 # -- --sharded: the trainer's publish, gathered (before) and sharded (after) -------------------------
 def _trainer_class():
     from ray_forge.actors.trainer import TitanTrainer
-    from ray_forge.models.qwen3 import full_hf_state_dict
+    from ray_forge.models.decoder import full_hf_state_dict
     from ray_forge.weights.shards import local_hf_pieces
 
     class BenchTrainer(TitanTrainer):

@@ -66,7 +66,7 @@ def test_tiny_bf16_run_reports_every_section(device):
 
 
 def test_tiny_float32_run_uses_project_sharding_and_many_buckets():
-    """float32 through the trainer's own build (``models.qwen3.build_sharded_qwen3``): the export is exact."""
+    """float32 through the trainer's own build (``models.decoder.build_sharded_decoder``): the export is exact."""
     result = run_check("--device", "cpu", "--param-dtype", "float32", "--bucket-mb", "0.05", "--reps", "1")
     assert result["export"]["logits_rel_err"] < 1e-4 and result["export"]["passed"]
     assert result["store"]["num_buckets"] >= 4

@@ -24,8 +24,8 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
         check_model_dir(tmp_path / "nope")
     with pytest.raises(ModelError, match="no config.json"):
         check_model_dir(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ModelError, match="trains Qwen3"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(ModelError, match="'mixtral'; ray_forge trains dense decoders of these types: qwen3, llama"):
         check_model_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     with pytest.raises(ModelError, match="safetensors"):

@@ -76,10 +76,10 @@ def test_a_rendered_conversation_is_the_sequence_a_rollout_builds(tokenizer, con
 
 
 def _titan(model_dir: str):
-    from ray_forge.models.qwen3 import build_qwen3
+    from ray_forge.models.decoder import build_decoder
 
     torch.manual_seed(0)
-    model, _ = build_qwen3(model_dir)
+    model, _ = build_decoder(model_dir)
     return model
 
 

@@ -9,7 +9,7 @@ from ray_forge.config.schema import ReferenceConfig
 from ray_forge.core.algorithm import token_logprobs_and_entropy
 from ray_forge.core.batch import collate, response_logprobs
 from ray_forge.core.episode import Sample
-from ray_forge.models.qwen3 import build_qwen3
+from ray_forge.models.decoder import build_decoder
 
 
 class ReferenceModel:
@@ -19,7 +19,7 @@ class ReferenceModel:
                  temperature: float = 1.0, micro_batch_size: int = 4096) -> None:
         torch.set_num_threads(config.resources.threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model, _ = build_qwen3(model_dir, self.device)
+        self.model, _ = build_decoder(model_dir, self.device)
         self.model.eval()
         self.allowed = torch.tensor(allowed_token_ids) if allowed_token_ids else None
         self.micro_batch_size = micro_batch_size

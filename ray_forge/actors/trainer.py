@@ -20,7 +20,7 @@ from ray_forge.core.batch import PackedBatch, TensorBatch, collate, collate_pack
 from ray_forge.core.checkpoint import TRAINER_DIR, rank_file
 from ray_forge.core.episode import Sample, Scored
 from ray_forge.models.devices import require_dtype
-from ray_forge.models.qwen3 import build_sharded_qwen3, full_hf_state_dict
+from ray_forge.models.decoder import build_sharded_decoder, full_hf_state_dict
 from ray_forge.net import free_port
 from ray_forge.weights import StoreSpec, WeightStore
 
@@ -70,7 +70,7 @@ class TitanTrainer:
         dist.init_process_group("nccl" if self.device == "cuda" else "gloo", rank=self.rank,
                                 world_size=self.world_size)
         require_dtype(self.cfg.dtype, self.device, "trainer.dtype")
-        self.model, self.adapter = build_sharded_qwen3(self.model_dir, self.world_size, self.device, self.cfg.dtype)
+        self.model, self.adapter = build_sharded_decoder(self.model_dir, self.world_size, self.device, self.cfg.dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -29,30 +29,38 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # in one user turn of <tool_response> blocks. It only appends: no earlier turn changes when a
 # message is added, so a whole episode is one token sequence. (Transformers renders templates
 # with trim_blocks, which drops a newline right after a tag: those are written as {{ '\n' }}.)
-TINY_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
-    "Call a tool as <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call><|im_end|>\n"
-    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
-    "{% for call in message.tool_calls or [] %}"
-    "{% set call = call.function if call.function is defined else call %}"
-    "<tool_call>{\"name\": \"{{ call.name }}\", \"arguments\": "
-    "{{ call.arguments if call.arguments is string else call.arguments | tojson }}}</tool_call>"
-    "{% endfor %}<|im_end|>\n"
-    "{% elif message.role == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
-    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+def chatml_template(default_system: str = "") -> str:
+    """That format as a chat template; ``default_system``: the system turn shown when the chat has
+    none (a ChatML model's own, such as SmolLM2's)."""
+    return (
+        "{% set system = messages[0].content if messages[0].role == 'system' else " + json.dumps(default_system)
+        + " %}"
+        "{% if tools %}<|im_start|>system\n"
+        "{% if system %}{{ system }}\n\n{% endif %}"
+        "# Tools\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+        "Call a tool as <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call><|im_end|>\n"
+        "{% elif system %}<|im_start|>system\n{{ system }}<|im_end|>\n"
+        "{% endif %}"
+        "{% for message in messages %}"
+        "{% if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+        "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+        "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
+        "{% for call in message.tool_calls or [] %}"
+        "{% set call = call.function if call.function is defined else call %}"
+        "<tool_call>{\"name\": \"{{ call.name }}\", \"arguments\": "
+        "{{ call.arguments if call.arguments is string else call.arguments | tojson }}}</tool_call>"
+        "{% endfor %}<|im_end|>\n"
+        "{% elif message.role == 'tool' %}"
+        "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+        "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+        "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+TINY_TEMPLATE = chatml_template()
 
 TINY_TEMPLATE_TEXT = ("system user assistant tool\n# Tools\n<tools>\n</tools>\n"
                       'Call a tool as {"name": <name>, "arguments": <object>}\n')

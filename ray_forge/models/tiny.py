@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from ray_forge.config.schema import TinyModelConfig
+from ray_forge.models.decoder import ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,9 @@ def check_model_dir(path: str | Path) -> Path:
     if not config_file.is_file():
         raise ModelError(f"model path {folder} has no config.json: not a Hugging Face model folder")
     config = json.loads(config_file.read_text())
-    if config.get("model_type") != "qwen3":
-        raise ModelError(f"model at {folder} is {config.get('model_type')!r}; ray_forge trains Qwen3 models")
+    if config.get("model_type") not in ARCHITECTURES:
+        raise ModelError(f"model at {folder} is {config.get('model_type')!r}; ray_forge trains dense decoders "
+                         f"of these types: {', '.join(ARCHITECTURES)}")
     if not any(folder.glob("*.safetensors")):
         raise ModelError(f"model path {folder} has no *.safetensors weights")
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():

@@ -7,7 +7,7 @@ TorchTitan fuses q/k/v into one ``wqkv`` parameter and its state-dict hook all-g
 (``redistribute`` to ``Replicate``) before splitting it into ``wq``/``wk``/``wv``, so every rank
 would receive the whole of every attention projection. Instead each rank reads its local rows
 from the parameters, splits its rows of ``wqkv`` into the q/k/v rows they are, and renames the
-TorchTitan keys with the state-dict adapter (run on meta tensors: a dense Qwen3's adapter only
+TorchTitan keys with the state-dict adapter (run on meta tensors: a dense decoder's adapter only
 renames, and drops ``lm_head.weight`` when the embeddings are tied).
 """
 
@@ -41,7 +41,7 @@ def local_hf_pieces(model: nn.Module, adapter) -> list[Piece]:
     renamed = adapter.to_hf(dict(meta))
     if transformed := [k for k, t in renamed.items() if id(t) not in titan_by_id]:
         raise ValueError(f"the state-dict adapter transforms {transformed[:3]} (not a plain rename): "
-                         "a dense Qwen3 was expected")
+                         "a dense decoder was expected")
     return [Piece(hf_key, p.full_shape, p.dtype, p.row_offset, p.tensor)
             for hf_key, t in renamed.items() for p in by_titan_key[titan_by_id[id(t)]]]
 
