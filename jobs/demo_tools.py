@@ -1,7 +1,7 @@
 """The tool demo: a tiny model learns to use the python tool, on the local default (`make demo-tools`).
 
 1. Demonstrations of ``a * b + c`` questions (``envs/code/arithmetic.py``): some call the tool and
-   copy its output, some miscopy a digit, the rest guess.
+   copy its output, some make a call that fails and then guess, the rest guess.
 2. ``jobs/sft.py`` warm-starts a tiny chat model on them.
 3. ``jobs/grpo.py`` trains it with the python tool in the loop (the local sandbox), evaluating the
    held-out questions before the first step and every ``run.eval_every`` steps.
