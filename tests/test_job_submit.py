@@ -76,3 +76,30 @@ def test_a_job_whose_driver_is_killed_finishes_when_submitted_again_with_resume_
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert (run_dir / "final_policy" / "model.safetensors").is_file()
+
+
+FAKE_RAY = """#!/bin/sh
+# A stand-in for the ray CLI: its first submit is cut off after the job was accepted.
+state="$(dirname "$0")/submitted"
+case "$2" in
+  submit) echo "submit $*" >> "$state.log"
+          if [ ! -e "$state" ]; then touch "$state"; echo "urllib3.exceptions.ProtocolError: ('Connection aborted.', RemoteDisconnected('Remote end closed connection without response'))" >&2; exit 1; fi
+          echo "Job 'x' already exists" >&2; exit 1;;
+  status) [ -e "$state" ] || exit 1; echo "Job 'x' succeeded";;
+  logs) echo "the job's own log";;
+esac
+"""
+
+
+def test_a_submit_cut_off_after_the_job_was_accepted_follows_that_job(tmp_path):
+    """On a busy machine the dashboard may drop the submitting request after accepting the job:
+    the job is followed, not submitted a second time (a second run would share its output dir)."""
+    fake = tmp_path / "ray"
+    fake.write_text(FAKE_RAY)
+    fake.chmod(0o755)
+    cluster = LocalCluster([NodeSpec("127.0.0.2", num_cpus=1)], dashboard=True)
+    cluster.ray = str(fake)
+    job_id, proc = cluster.submit(["python", "-c", "pass"], ROOT, "cut-off", timeout_s=60)
+    assert job_id == "cut-off" and proc.returncode == 0
+    assert "the job's own log" in proc.stdout and "succeeded" in proc.stdout
+    assert len((tmp_path / "submitted.log").read_text().splitlines()) == 1  # submitted once

@@ -20,6 +20,9 @@ from pathlib import Path
 
 from ray_forge.net import free_port
 
+DROPPED = ("Remote end closed connection", "Connection aborted", "Connection reset by peer")
+"""What ``ray job submit`` prints when the dashboard dropped the request (it may have been accepted)."""
+
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -137,7 +140,9 @@ class LocalCluster:
         (submission id, process).
 
         The head's job agent can register a minute or more after the job API answers on a busy
-        machine; until then every submit is refused and nothing runs, so those are retried."""
+        machine; until then every submit is refused and nothing runs, so those are retried. On a
+        busy machine the dashboard may also drop the submitting connection: the job may have been
+        accepted, so it is looked up by its id and followed if it was, and submitted again if not."""
         deadline, attempt = time.monotonic() + 240, 0
         while True:
             job_id = submission_id if attempt == 0 else f"{submission_id}-{attempt}"
@@ -145,10 +150,31 @@ class LocalCluster:
                                    "--working-dir", str(working_dir), *([] if wait else ["--no-wait"]), "--",
                                    *entrypoint],
                                   capture_output=True, text=True, env=self.env, timeout=timeout_s)
-            if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
+            out = proc.stdout + proc.stderr
+            if time.monotonic() > deadline:
+                return job_id, proc
+            if any(sign in out for sign in DROPPED):
+                if self._job("status", job_id).returncode == 0:  # accepted before the connection dropped
+                    return job_id, self._follow(job_id, timeout_s) if wait else proc
+                time.sleep(5)
+                continue
+            if "No available agent" not in out:
                 return job_id, proc
             attempt += 1
             time.sleep(5)
+
+    def _job(self, command: str, job_id: str, *flags: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+        return subprocess.run([self.ray, "job", command, "--address", self.dashboard_url, *flags, job_id],
+                              capture_output=True, text=True, env=self.env, timeout=timeout_s)
+
+    def _follow(self, job_id: str, timeout_s: float) -> subprocess.CompletedProcess:
+        """What ``ray job submit`` would have printed and returned for a job already submitted:
+        its logs to the end, then its status (exit 0 only if it succeeded)."""
+        logs = self._job("logs", job_id, "--follow", timeout_s=timeout_s)
+        status = self._job("status", job_id)
+        done = "succeeded" in status.stdout.lower()
+        return subprocess.CompletedProcess(logs.args, 0 if done else 1, logs.stdout + status.stdout,
+                                           logs.stderr + status.stderr)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
