@@ -154,8 +154,9 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 return job_id, proc
             if any(sign in out for sign in DROPPED):
-                if self._job("status", job_id).returncode == 0:  # accepted before the connection dropped
-                    return job_id, self._follow(job_id, timeout_s) if wait else proc
+                status = self._job("status", job_id)
+                if status.returncode == 0:  # accepted before the connection dropped
+                    return job_id, self._follow(job_id, timeout_s) if wait else status
                 time.sleep(5)
                 continue
             if "No available agent" not in out:
