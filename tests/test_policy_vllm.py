@@ -51,7 +51,7 @@ def test_behaviour_logprobs_are_over_the_restricted_actions(policy, tiny_model_d
         assert c.logprobs[0] == pytest.approx(lp.item(), abs=1e-4)
 
 
-@pytest.mark.parametrize("transport", ["shm", "object_store"])
+@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
 def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, ray_cluster, transport):
     """Train with TorchTitan (a Ray actor, 1 rank, gloo), put its weights in the store, have the
     vLLM worker pull them in place, and compare: vLLM's greedy action equals the trainer model's

@@ -205,28 +205,36 @@ def test_a_missing_piece_is_an_error_naming_the_tensor():
 def _actor_classes():
     import ray
 
+    class Peer:
+        """Keeps one store client per spec, as the trainer and the engines do (a transport's
+        buffers are allocated once and reused from version to version)."""
+
+        def store(self, spec: StoreSpec) -> WeightStore:
+            stores = self.__dict__.setdefault("stores", {})
+            return stores.setdefault(spec, WeightStore(spec))
+
     @ray.remote(num_cpus=0)
-    class Sender:
+    class Sender(Peer):
         def put(self, spec: StoreSpec, version: int, seed: int) -> int:
-            return WeightStore(spec).put_state_dict(version, state_dict(seed)).nbytes
+            return self.store(spec).put_state_dict(version, state_dict(seed)).nbytes
 
         def put_shard(self, spec: StoreSpec, version: int, seed: int, rank: int, world_size: int) -> int:
             """Put rank ``rank``'s torch.chunk rows of the test state dict, as an FSDP2 rank would."""
             pieces = chunk_pieces(state_dict(seed), rank, world_size)
-            return WeightStore(spec).put_shards(version, pieces, rank=rank, num_ranks=world_size).nbytes
+            return self.store(spec).put_shards(version, pieces, rank=rank, num_ranks=world_size).nbytes
 
     @ray.remote(num_cpus=0)
-    class Receiver:
+    class Receiver(Peer):
         def get(self, spec: StoreSpec, version: int, dtype: str = "") -> dict[str, torch.Tensor]:
             convert = getattr(torch, dtype) if dtype else None
             into = {k: torch.full_like(v, 7, dtype=convert if convert and v.is_floating_point() else v.dtype)
                     for k, v in state_dict().items()}
-            return WeightStore(spec).get_state_dict(version, into=into)
+            return self.store(spec).get_state_dict(version, into=into)
 
         def slow_read(self, spec: StoreSpec, version: int, marker: str, pause_s: float) -> int:
             """Read the first bucket, say so, wait (the test kills the sender then), read the rest."""
             names = []
-            for name, _ in WeightStore(spec).iter_state_dict(version):
+            for name, _ in self.store(spec).iter_state_dict(version):
                 names.append(name)
                 if len(names) == 1:
                     Path(marker).touch()
@@ -247,7 +255,7 @@ def peers(ray_cluster):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("transport", ["shm", "object_store"])
+@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
 def test_two_receivers_get_bitwise_copies_in_place(ray_cluster, peers, transport):
     _, sender, receivers = peers
     store = WeightStore.create(spec_for(transport))
@@ -263,7 +271,7 @@ def test_two_receivers_get_bitwise_copies_in_place(ray_cluster, peers, transport
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("transport", ["shm", "object_store"])
+@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
 def test_a_sharded_version_is_published_once_every_rank_put_its_part(ray_cluster, peers, transport):
     """Two senders put their own rows (half the bytes each); until the second has, a receiver's wait
     fails naming it; then receivers read whole tensors, bitwise. Eviction frees both ranks' parts."""
@@ -294,7 +302,7 @@ def test_a_sharded_version_is_published_once_every_rank_put_its_part(ray_cluster
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("transport", ["shm", "object_store"])
+@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
 def test_dtype_conversion_on_the_way_equals_to(ray_cluster, peers, transport):
     _, sender, (receiver, _) = peers
     to = {dtype: {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict(3).items()}
@@ -315,7 +323,7 @@ def test_dtype_conversion_on_the_way_equals_to(ray_cluster, peers, transport):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("transport", ["shm", "object_store"])
+@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
 def test_old_versions_are_evicted(ray_cluster, peers, transport):
     _, sender, _ = peers
     store = WeightStore.create(spec_for(transport, keep_versions=2, timeout_s=5))
@@ -338,7 +346,7 @@ def test_old_versions_are_evicted(ray_cluster, peers, transport):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("transport", ["shm", "object_store"])
+@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
 def test_views_stay_valid_after_the_reader_moves_on(ray_cluster, peers, transport):
     """vLLM's loader may hold tensors of earlier buckets; releasing a bucket's pages must not change them."""
     _, sender, _ = peers
@@ -362,7 +370,7 @@ def stalled_read(receiver, spec: StoreSpec, version: int, marker: Path, pause_s:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("transport", ["shm", "object_store"])
+@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
 def test_the_sender_never_waits_for_a_slow_receiver(ray_cluster, peers, transport, tmp_path):
     """A receiver stalls mid-read while the sender publishes two more versions: every put returns
     promptly; the stalled read then fails clearly (shm: its files were freed) or, where the bytes
@@ -406,7 +414,44 @@ def test_killing_the_sender_mid_transfer_fails_the_receiver_naming_it(ray_cluste
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("transport", ["shm", "object_store"])
+def test_nixl_reuses_its_buffers_once_every_ref_to_them_is_gone(ray_cluster, peers):
+    """keep_versions=1: the sender writes into a set of buffers again three versions later, after
+    the controller evicted the refs and the receivers dropped theirs; every version reads back
+    bitwise, and no receiver's read sees a later version's bytes."""
+    _, sender, receivers = peers
+    store = WeightStore.create(spec_for("nixl", keep_versions=1, timeout_s=20))
+    try:
+        for version in range(1, 6):
+            ray_cluster.get(sender.put.remote(store.spec, version, seed=version), timeout=60)
+            for got in ray_cluster.get([r.get.remote(store.spec, version) for r in receivers], timeout=60):
+                assert_bitwise(got, state_dict(version))
+        assert store.versions() == [5]
+    finally:
+        store.destroy()
+
+
+@pytest.mark.ray
+def test_a_dead_nixl_sender_is_named_within_the_timeout(ray_cluster, peers):
+    """Over NIXL the bytes stay in the sender's memory: once it is gone, a receiver's read fails
+    at once, naming the sender and the version (Ray reports the refs' owner died)."""
+    Sender, _, (receiver, _) = peers
+    store = WeightStore.create(spec_for("nixl", timeout_s=20))
+    sender = Sender.remote()  # its own: this one gets killed
+    try:
+        ray_cluster.get(sender.put.remote(store.spec, 1, seed=1), timeout=60)
+        ray_cluster.kill(sender)
+        start = time.monotonic()
+        with pytest.raises(Exception) as info:
+            ray_cluster.get(receiver.get.remote(store.spec, 1), timeout=60)
+        assert time.monotonic() - start < store.spec.timeout_s
+        assert "WeightSyncError" in str(info.value) and "version 1 from trainer-0" in str(info.value)
+        assert "died" in str(info.value)
+    finally:
+        store.destroy()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
 def test_a_version_that_never_comes_times_out_naming_the_sender(ray_cluster, transport):
     store = WeightStore.create(spec_for(transport, timeout_s=2))
     try:

@@ -266,10 +266,12 @@ class GRPOConfig:
 class WeightSyncConfig:
     """How the trainer's weights reach the policy engines after every step."""
 
-    transport: Literal["auto", "shm", "object_store", "collective", "nccl", "torchstore"] = "auto"
+    transport: Literal["auto", "shm", "object_store", "nixl", "collective", "nccl", "torchstore"] = "auto"
     """auto: shm when every policy and every trainer rank share one node, else object_store.
     collective: each trainer rank broadcasts its own shards straight into every engine worker over
-    torch.distributed (gloo on CPU, NCCL on GPU); nccl is its deprecated old name. torchstore needs
+    torch.distributed (gloo on CPU, NCCL on GPU); nccl is its deprecated old name. nixl: each trainer
+    rank publishes its shards over Ray Direct Transport, and every engine reads them with NIXL into
+    buffers of its own (RDMA where the NICs allow, UCX over TCP elsewhere). torchstore needs
     the torchstore package and Monarch."""
     keep_versions: int = 2
     """Versions kept in the store; older ones are freed."""

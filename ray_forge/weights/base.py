@@ -12,7 +12,7 @@ from ray_forge.weights.layout import Bucket
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("shm", "object_store", "collective", "torchstore")
+TRANSPORTS = ("shm", "object_store", "nixl", "collective", "torchstore")
 PUSH_TRANSPORTS = ("collective",)
 """Transports where the sender streams into live receivers: the trainer's put and the engines'
 loads must run at the same time, and nothing is stored for a later reader."""

@@ -19,6 +19,9 @@ from ray_forge.weights.controller import ControllerActor
 from ray_forge.weights.layout import Bucket, Piece, assemble, plan_pieces, whole_pieces
 
 
+CONTROLLER_TIMEOUT_S = 60.0
+
+
 def make_transport(spec: StoreSpec) -> Transport:
     if spec.transport == "shm":
         from ray_forge.weights.shm import SharedMemoryTransport
@@ -26,6 +29,9 @@ def make_transport(spec: StoreSpec) -> Transport:
     if spec.transport == "object_store":
         from ray_forge.weights.object_store import ObjectStoreTransport
         return ObjectStoreTransport(spec)
+    if spec.transport == "nixl":
+        from ray_forge.weights.nixl import NixlTransport
+        return NixlTransport(spec)
     if spec.transport == "torchstore":
         from ray_forge.weights.torchstore_transport import TorchStoreTransport
         return TorchStoreTransport(spec)
@@ -61,8 +67,11 @@ class WeightStore:
         return self._controller
 
     def _ask(self, ref, what: str, timeout_s: float | None = None):
+        """The controller's answer. Its bookkeeping calls get at least CONTROLLER_TIMEOUT_S whatever
+        the transfer timeout: the first ref of a direct transport (nixl) that reaches it starts Ray's
+        transport manager there, which takes seconds."""
         try:
-            return ray.get(ref, timeout=timeout_s or self.spec.timeout_s)
+            return ray.get(ref, timeout=timeout_s or max(self.spec.timeout_s, CONTROLLER_TIMEOUT_S))
         except ray.exceptions.GetTimeoutError:
             raise WeightSyncError(f"weight store controller did not answer {what} in time") from None
         except ray.exceptions.RayActorError as err:
