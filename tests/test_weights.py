@@ -302,7 +302,10 @@ def test_a_sharded_version_is_published_once_every_rank_put_its_part(ray_cluster
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
+# Not over nixl yet: its run took 140 s here (two stores, each registering fresh buffers in the
+# driver), against about 15 s for the other nixl tests. The conversion itself happens in
+# pack_into, before any transport; why NIXL is slow here is issue 23's to find out.
+@pytest.mark.parametrize("transport", ["shm", "object_store"])
 def test_dtype_conversion_on_the_way_equals_to(ray_cluster, peers, transport):
     _, sender, (receiver, _) = peers
     to = {dtype: {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict(3).items()}
