@@ -483,8 +483,9 @@ def tied_unaligned_model_dir(tmp_path_factory) -> str:
 
 @pytest.mark.ray
 @pytest.mark.vllm
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
 def test_two_fsdp_ranks_put_their_own_shards_and_vllm_loads_the_whole_model(ray_cluster, tied_unaligned_model_dir,
-                                                                             tmp_path):
+                                                                             tmp_path, transport):
     """Each of 2 FSDP2 ranks puts only its own rows (about half the bytes each; no gather); a
     receiver's assembled version equals full_hf_state_dict of the same model bit for bit, and a
     vLLM engine that loads it computes what the trainer computes."""
@@ -505,7 +506,7 @@ def test_two_fsdp_ranks_put_their_own_shards_and_vllm_loads_the_whole_model(ray_
         TrainerConfig(lr=3e-3, num_ranks=2), model_dir=model_dir, grpo=GRPOConfig(), total_steps=5, rank=r,
             allowed_token_ids=engine.allowed_ids) for r in range(2)]
     trainer = TrainerGroup(ranks, timeout_s=300)
-    store = WeightStore.create(StoreSpec(name=f"test-{uuid.uuid4().hex[:8]}", transport="shm", bucket_bytes=2**16,
+    store = WeightStore.create(StoreSpec(name=f"test-{uuid.uuid4().hex[:8]}", transport=transport, bucket_bytes=2**16,
                                          senders=("trainer-0", "trainer-1")))
     try:
         trainer.setup()
