@@ -13,7 +13,7 @@ Resume a run that was stopped (a killed driver, a restarted pod) from its newest
     python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml --resume auto   # latest unfinished run, else fresh
 
 Flow: config -> actors (resumed: trainer, buffer and rollout position restored, engines synced)
--> rollout and training loops running concurrently -> weight push after every step -> periodic
+-> rollout and training loops running concurrently -> weight sync after every step -> periodic
 greedy evaluation -> a checkpoint every ``run.checkpoint_every`` steps -> final policy saved as
 an HF folder -> shutdown. Env actors and engines that die are restarted by Ray and their games
 replayed (``ray_forge/run/fleet.py``); ``chaos.every_s`` kills some on purpose.
@@ -165,24 +165,19 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState,
     raise TimeoutError(f"no training batch within {limit_s:.0f}s")
 
 
-async def push_weights(actors: Actors, fleet: Fleet, version: int) -> dict[str, float]:
-    """The trainer puts ``version`` in the weight store; every live policy loads it in place,
-    between two engine steps (generation pauses for the load, not for the requests in flight).
-    Over a push transport (collective) the trainer's broadcast and the engines' receive run together.
+async def sync_weights(actors: Actors, fleet: Fleet, version: int) -> dict[str, float]:
+    """The trainer ranks put ``version`` in the weight store while every live policy takes it: each
+    fetches it off its step loop and loads it between two engine steps (generation pauses for
+    the load, not for the requests in flight). How the bytes travel is the weight store's business.
 
-    Returns seconds: the whole sync, the trainer's publish, and the slowest engine's load (its own
-    pull), time generation stood still (``gen_paused_s``) and wait for the step loop to take it."""
+    Returns seconds: the whole sync, the trainer's publish, and the slowest engine's fetch, load,
+    time generation stood still (``gen_paused_s``) and wait for the step loop to take the load."""
     start = time.monotonic()
-    spec = actors.store.spec
-    if spec.pushes:
-        publish_s, engines = await asyncio.gather(actors.trainer.publish_weights(spec, version),
-                                                  fleet.push(spec, version))
-    else:
-        publish_s = await actors.trainer.publish_weights(spec, version)
-        engines = await fleet.push(spec, version)
+    publish_s, engines = await asyncio.gather(actors.trainer.publish_weights(actors.store.spec, version),
+                                              fleet.sync(actors.store.spec, version))
     return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s,
-            "weight_load_s": engines.get("load_s", 0.0), "gen_paused_s": engines.get("paused_s", 0.0),
-            "weight_wait_s": engines.get("waited_s", 0.0)}
+            "weight_fetch_s": engines.get("fetch_s", 0.0), "weight_load_s": engines.get("load_s", 0.0),
+            "gen_paused_s": engines.get("paused_s", 0.0), "weight_wait_s": engines.get("waited_s", 0.0)}
 
 
 async def check_sync(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, step: int) -> dict:
@@ -194,7 +189,7 @@ async def check_sync(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fl
     try:
         if (held := await call(actors.policies[0].get_version.remote(), timeout_s=60,
                                what="policy-0.get_version")) != step:
-            log.warning("step %d: policy-0 holds version %d (a push failed or it restarted); the sync check waits "
+            log.warning("step %d: policy-0 holds version %d (a sync failed or it restarted); the sync check waits "
                         "for the next one", step, held)
             return {}
         return await sync_check.check(actors.policies[0], actors.trainer, env.probe_prompts(),
@@ -215,11 +210,11 @@ async def evaluate(config: JobConfig, actors: Actors, fleet: Fleet, final: bool 
         await fleet.ready("policy-0")
         await fleet.ready("env-0")
         try:
-            # No push runs during an evaluation (both are steps of the training loop), so this is
-            # the version evaluated; over a push transport a restarted engine may be behind.
+            # No sync runs during an evaluation (both are steps of the training loop), so this is
+            # the version evaluated; a restarted engine may be behind.
             version = await call(actors.policies[0].get_version.remote(), timeout_s=60, what="policy-0.get_version")
             if version != fleet.version:
-                log.warning("policy-0 holds weights version %d, not %d (it missed a push): evaluating what it holds",
+                log.warning("policy-0 holds weights version %d, not %d (it missed a sync): evaluating what it holds",
                             version, fleet.version)
             metrics, result = await call(
                 actors.envs[0].evaluate.remote(actors.policies[0], "policy-0", final, config.policy.call_timeout_s,
@@ -318,11 +313,11 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
             train_stats = await actors.trainer.train_step(samples, ref)
             train_stats["train_s"] = time.monotonic() - train_start
             state.trainer_version = step
-            sync = await push_weights(actors, fleet, step)
+            sync = await sync_weights(actors, fleet, step)
             sync_check_due = bool(config.run.sync_check_every) and step % config.run.sync_check_every == 0
             eval_due = bool(config.run.eval_every) and (step % config.run.eval_every == 0 or step == config.run.steps)
             # Neither changes a weight (the check reads policy-0 and the trainer, the evaluation
-            # policy-0 and env-0), and no push comes until both are done: side by side.
+            # policy-0 and env-0), and no sync comes until both are done: side by side.
             (checked, check_s), (evaluated, eval_s) = await asyncio.gather(
                 timed(check_sync(config, env, actors, fleet, step) if sync_check_due else None, "sync_check_s"),
                 timed(evaluate(config, actors, fleet) if eval_due else None, "eval_s"))
@@ -418,7 +413,7 @@ async def resume(actors: Actors, fleet: Fleet, run: Run, run_step: int, buffer_s
     else:
         buffered = await call(actors.buffer.load.remote(str(run.resume_from / checkpoint.BUFFER_STATE)),
                               timeout_s=60, what="buffer.load")
-    await push_weights(actors, fleet, version)
+    await sync_weights(actors, fleet, version)
     if fleet.serving != version:  # rollouts wait for the restored version: none would ever start
         raise FleetError(f"the restored weights (version {version}) reached no engine; see the errors above")
     log.info("resumed %s from %s: step %d, policy version %d, %d games buffered, next batch %d", run.run_dir,

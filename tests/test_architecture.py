@@ -96,3 +96,125 @@ def test_the_rules_catch_what_they_forbid(tmp_path, monkeypatch):
     assert env_violations(env) == ["line 1: torch", "line 2: ray_forge.actors.policy",
                                    "line 2: ray_forge.actors.policy.VLLMPolicy", "line 4: ray_forge.observe",
                                    "line 4: ray_forge.observe.metrics"]
+
+
+# -- no circles inside a package -----------------------------------------------------------------
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_graph(paths: list[Path]) -> dict[str, set[str]]:
+    """Module -> the modules of its own package it imports (at any depth, ``TYPE_CHECKING`` and
+    function-level imports included). ``from pkg import name`` is an edge to the package's
+    ``__init__``; ``pkg.mod.name`` to ``pkg.mod``."""
+    modules = {module_name(p): p for p in paths}
+
+    def resolve(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name] = {target for _, imported in imports(path) if (target := resolve(imported)) and target != name
+                       and (target == package or target.rpartition(".")[0] == package)}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                component.append(stack.pop())
+                if component[-1] == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.mark.parametrize("folder", ["ray_forge", "envs"])
+def test_no_package_imports_itself_in_a_circle(folder):
+    assert circles(package_graph(sources(folder))) == []
+
+
+def test_the_circle_check_finds_a_planted_circle(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    package = tmp_path / "ray_forge" / "weights"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from ray_forge.weights.store import WeightStore\n")
+    (package / "store.py").write_text("from ray_forge.weights.controller import Client\n")
+    (package / "controller.py").write_text("def f():\n    import ray_forge.weights.collective\n")
+    (package / "collective.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                           "    from ray_forge.weights.store import WeightStore\n")
+    (package / "base.py").write_text("import ray_forge.weights.layout\n")
+    (package / "layout.py").write_text("x = 1\n")
+    found = circles(package_graph(sources("ray_forge")))
+    assert found == [["ray_forge.weights.collective", "ray_forge.weights.controller", "ray_forge.weights.store"]]
+
+
+# -- one protocol for every weight transport -----------------------------------------------------
+TRANSPORT_NAMES = ("shm", "object_store", "nixl", "collective", "torchstore")
+TRANSPORT_MODULES = ("ray_forge.weights.shm", "ray_forge.weights.object_store", "ray_forge.weights.nixl",
+                     "ray_forge.weights.collective", "ray_forge.weights.torchstore_transport",
+                     "ray_forge.weights.rendezvous", "ray_forge.weights.stored")
+
+
+def transport_mentions(path: Path, names_allowed: bool = False) -> list[str]:
+    """Where a module outside ``weights/`` names a transport (a string constant), asks whether it
+    pushes, or imports a transport's own module. ``names_allowed``: the config schema, which
+    lists the names as the user's choices and checks them when the config loads."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and node.value in TRANSPORT_NAMES and not names_allowed:
+            found.append(f"line {node.lineno}: the transport name {node.value!r}")
+        elif isinstance(node, ast.Attribute) and node.attr == "pushes":
+            found.append(f"line {node.lineno}: asks whether a transport pushes")
+    found += [f"line {line}: imports {module}" for line, module in imports(path) if under(module, *TRANSPORT_MODULES)]
+    return found
+
+
+def outside_weights() -> list[Path]:
+    return [p for p in sources("ray_forge") + sources("jobs") if "weights" not in p.relative_to(ROOT).parts]
+
+
+@pytest.mark.parametrize("path", outside_weights(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_weight_store_knows_how_weights_travel(path):
+    """The driver, the fleet and the actors ask ``weights/`` to sync a version and never ask how:
+    no transport names, no push-or-pull branches, no transport's module outside ``weights/``
+    (the config schema lists the names as the user's choices)."""
+    in_schema = path == ROOT / "ray_forge" / "config" / "schema.py"
+    assert transport_mentions(path, names_allowed=in_schema) == []
+
+
+def test_the_transport_check_finds_what_it_forbids(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    planted = tmp_path / "jobs" / "x.py"
+    planted.parent.mkdir()
+    planted.write_text("from ray_forge.weights.collective import open_push\n"
+                       "def f(spec):\n    if spec.pushes or spec.transport == 'nixl':\n        return 1\n")
+    imported = ["line 1: imports ray_forge.weights.collective", "line 1: imports ray_forge.weights.collective.open_push"]
+    assert transport_mentions(planted) == [
+        "line 3: asks whether a transport pushes", "line 3: the transport name 'nixl'", *imported]
+    assert transport_mentions(planted, names_allowed=True) == ["line 3: asks whether a transport pushes", *imported]

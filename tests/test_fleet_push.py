@@ -1,31 +1,48 @@
-"""What the fleet does with pushes that fail (engines kept their version): the run goes on, and
+"""What the fleet does with weight syncs that fail (engines kept their version): the run goes on, and
 stops with a clear error when they keep failing, rather than starving rollouts of a served version."""
 
 import asyncio
 
 import pytest
 
-from ray_forge.run.fleet import MAX_FAILED_PUSHES, Fleet, FleetError
+from ray_forge.run.fleet import MAX_FAILED_SYNCS, Fleet, FleetError
 from ray_forge.weights import StoreSpec
 
 
-def test_failed_pushes_hold_the_served_version_then_stop_the_run(monkeypatch):
+def test_failed_syncs_hold_the_served_version_then_stop_the_run(monkeypatch):
     fleet = Fleet([object(), object()], [], policy_timeout_s=30, env_timeout_s=30)
-    spec = StoreSpec(name="push-failures", transport="shm")
-    # Seconds each engine took, in push order (policy-0, policy-1); None: its transfer failed.
-    outcomes = iter([0.1, 0.1, None, 0.1, None, 0.1, 0.1, 0.1, None, None, 0.1, None, None, 0.1])
+    spec = StoreSpec(name="sync-failures", transport="shm")
+    # Whether each engine took its version, in sync order (policy-0, policy-1); False: its sync failed.
+    outcomes = iter([True, True, False, True, False, True, True, True, False, False, True, False, False, True])
 
-    async def update(name, spec, version, session=None):
-        seconds = next(outcomes)
-        return None if seconds is None else {"load_s": seconds, "paused_s": seconds}
+    async def update(name, round_):
+        if not next(outcomes):
+            return None
+        fleet.held[name] = round_.version
+        return {"load_s": 0.1, "paused_s": 0.1, "version": round_.version}
 
     monkeypatch.setattr(fleet, "_update", update)
     served = []
     for version in range(1, 7):
-        asyncio.run(fleet.push(spec, version))
-        served.append((fleet.serving, fleet.failed_pushes))
-    # A failed push keeps the served version; a whole one resets the count.
+        asyncio.run(fleet.sync(spec, version))
+        served.append((fleet.serving, fleet.failed_syncs))
+    # A failed sync keeps the served version; a whole one resets the count.
     assert served == [(1, 0), (1, 1), (1, 2), (4, 0), (4, 1), (4, 2)]
-    assert MAX_FAILED_PUSHES == 3
-    with pytest.raises(FleetError, match=r"could not be pushed to \['policy-0'\] 3 times in a row \(last: version 7\)"):
-        asyncio.run(fleet.push(spec, 7))
+    assert MAX_FAILED_SYNCS == 3
+    with pytest.raises(FleetError, match=r"could not be synced to \['policy-0'\] 3 times in a row \(last: version 7\)"):
+        asyncio.run(fleet.sync(spec, 7))
+
+
+def test_an_engine_that_a_version_cannot_reach_yet_is_not_serving_it(monkeypatch):
+    """An engine that answers with its old version (a push it was not part of) keeps ``serving``
+    where it was, like a failed sync; its timings are not the version's."""
+    fleet = Fleet([object()], [], policy_timeout_s=30, env_timeout_s=30)
+    spec = StoreSpec(name="sync-missed", transport="shm")
+
+    async def update(name, round_):
+        fleet.held[name] = 0
+        return {"fetch_s": 0.5, "version": 0}
+
+    monkeypatch.setattr(fleet, "_update", update)
+    assert asyncio.run(fleet.sync(spec, 1)) == {}
+    assert (fleet.serving, fleet.failed_syncs) == (0, 1)

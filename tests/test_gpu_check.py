@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from bench import gpu_check
 
-SECTIONS = ("setup", "train", "export", "store")
+SECTIONS = gpu_check.SECTIONS
 
 
 def run_check(*args: str) -> dict:
@@ -30,7 +30,7 @@ def run_check(*args: str) -> dict:
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_tiny_bf16_run_reports_every_section(device):
     result = run_check("--device", device)
-    assert [result[s]["status"] for s in SECTIONS] == ["ok"] * 4
+    assert [result[s]["status"] for s in SECTIONS] == ["ok"] * 5
     assert result["param_dtype"] == "bfloat16" and result["torchtitan"] and result["transformers"]
 
     setup = result["setup"]
@@ -63,6 +63,10 @@ def test_tiny_bf16_run_reports_every_section(device):
     kinds = ("pinned", "pageable") if device == "cuda" else ("pageable",)
     for kind in kinds:
         assert all(store[kind][k] > 0 for k in ("put_gbps", "get_gbps", "d2h_gbps", "h2d_gbps", "put_vs_d2h"))
+
+    nixl = result["nixl"]  # the CPU venv has NIXL (the weights.transport=nixl install): the section runs
+    assert nixl["available"] and nixl["gb"] == pytest.approx(store["gb"], rel=0.01)
+    assert nixl["num_buckets"] == store["num_buckets"] and nixl["read_gbps"] > 0 and nixl["read_vs_copy"] > 0
 
 
 def test_tiny_float32_run_uses_project_sharding_and_many_buckets():

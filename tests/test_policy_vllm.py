@@ -107,7 +107,9 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, ray_
         store.destroy()
 
 
-def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_model_dir, ray_cluster, monkeypatch):
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_model_dir, ray_cluster, monkeypatch,
+                                                                 transport):
     """A weight update while a large batch is generating lands between two engine steps, not
     after the batch: the batch's earlier answers carry the old version and its later ones the new,
     and each answer's logprob is that of the weights that sampled it. Afterwards the engine's
@@ -130,7 +132,7 @@ def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_mo
         TrainerConfig(lr=3e-3), model_dir=tiny_model_dir, grpo=GRPOConfig(), total_steps=5, rank=0,
             allowed_token_ids=policy.allowed_ids)
     trainer = TrainerGroup([rank], timeout_s=300)
-    store = WeightStore.create(StoreSpec(name="vllm-test-in-flight", transport="shm"))
+    store = WeightStore.create(StoreSpec(name=f"vllm-test-in-flight-{transport}", transport=transport))
     states = [render_state(state) for state in all_states()]
     assert len(states) == 360
     prompt_ids = [tuple(policy.tokenizer.encode(p, add_special_tokens=False)) for p in states]
@@ -166,7 +168,7 @@ def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_mo
         batch.join(timeout=300)
         versions = [turn.policy_version for turn in in_flight]
         assert len(in_flight) == 2880 and set(versions) == {21, 22}, "the update did not land inside the batch"
-        assert timing["paused_s"] < 5 and timing["waited_s"] < 5
+        assert timing["paused_s"] < 5 and timing["waited_s"] < 5 and timing["version"] == 22
         for turn in in_flight:
             table = old if turn.policy_version == 21 else new
             assert turn.token_versions == (turn.policy_version,)

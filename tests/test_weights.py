@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from pathlib import Path
@@ -266,6 +267,11 @@ def test_two_receivers_get_bitwise_copies_in_place(ray_cluster, peers, transport
         # The driver (another process) reads it too, into fresh tensors.
         assert_bitwise(store.get_state_dict(1), state_dict(1))
         assert store.keys(1)[0] == "policy_ver_0000000001.layers.0.weight"
+        if transport == "nixl":  # which UCX transport read the bytes here: it is logged once per process
+            from ray_forge.weights.nixl import ucx_transports
+
+            assert ucx_transports() and all(re.fullmatch(r"\S+/\S+ \((intra|inter)-node\)", t)
+                                            for t in ucx_transports())
     finally:
         store.destroy()
 
@@ -302,10 +308,7 @@ def test_a_sharded_version_is_published_once_every_rank_put_its_part(ray_cluster
 
 
 @pytest.mark.ray
-# Not over nixl yet: its run took 140 s here (two stores, each registering fresh buffers in the
-# driver), against about 15 s for the other nixl tests. The conversion itself happens in
-# pack_into, before any transport; why NIXL is slow here is issue 23's to find out.
-@pytest.mark.parametrize("transport", ["shm", "object_store"])
+@pytest.mark.parametrize("transport", ["shm", "object_store", "nixl"])
 def test_dtype_conversion_on_the_way_equals_to(ray_cluster, peers, transport):
     _, sender, (receiver, _) = peers
     to = {dtype: {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict(3).items()}

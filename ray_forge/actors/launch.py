@@ -60,7 +60,7 @@ class Actors:
             self.store.destroy()
         except Exception as err:  # the controller may be gone; shm folders are still removed below
             log.warning("weight store cleanup: %s", err)
-            self.store.transport.destroy()
+            self.store.close()
 
 
 def chat_tokenizer(model_dir: str):
@@ -135,11 +135,6 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
                        what="policies")
     trainer_nodes = get([r.node_id.remote() for r in ranks], timeout_s=60, what="trainer ranks")
     transport = resolve_transport(config.weights.transport, trainer_nodes, policy_nodes)
-    if config.policy.tensor_parallel_size > 1 and transport != "shm":
-        # The workers of a tensor-parallel engine are vLLM's own processes, outside Ray: they read
-        # shared memory on their node; the object store and the push's rendezvous need Ray.
-        raise ConfigError(f"policy.tensor_parallel_size > 1 needs weights.transport=shm (trainer ranks and engines "
-                          f"on one node); this run resolved it to {transport}")
     store = WeightStore.create(store_spec(config, store_name, transport))
     actors = Actors(policies, envs, buffer, trainer, reference, store, pools, model_dir, handles)
     log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s, weights over %s",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
 
@@ -18,7 +19,8 @@ from ray_forge.actors.engine_loop import EngineLoop, token_versions
 from ray_forge.config.schema import PolicyConfig
 from ray_forge.core.episode import Turn
 from ray_forge.models.devices import require_dtype
-from ray_forge.weights import StoreSpec, WeightStore
+from ray_forge.weights import MixedWeights, StoreSpec, WeightSyncError
+from ray_forge.weights.vllm_receiver import EngineWeights, engine_name
 
 log = logging.getLogger(__name__)
 
@@ -129,33 +131,26 @@ class VLLMPolicy:
         log.info("vLLM engine up in %.1fs (%s, allowed tokens %s, action choice %s, draws %s)",
                  time.monotonic() - start, model_dir, self.allowed_ids, self.action_choice, self.draws)
         self.loop = EngineLoop(self.llm.llm_engine, self.version, on_failure=_die_if_actor)
+        self.weights = EngineWeights(self.llm, engine_name())
+        self._sync_lock = threading.Lock()
+        """One weight update at a time: a fetch fills buffers the next load reads."""
         if _restarted_actor():
             self._catch_up(store_name)
 
     def _catch_up(self, store_name: str) -> None:
         """A restarted engine starts from the base model: load the newest published policy
         version before the first request is served (Ray runs no call before the constructor ends)."""
-        from ray_forge.weights.base import controller_name
-
-        try:
-            controller = ray.get_actor(controller_name(store_name))
-        except ValueError:
+        latest = EngineWeights.latest(store_name, timeout_s=self.config.call_timeout_s)
+        if latest is None:
             log.warning("restarted before any weights were published: serving the base model (version 0)")
             return
-        latest = ray.get(controller.latest.remote(), timeout=self.config.call_timeout_s)
-        if latest is None:
-            return
         spec, version = latest
-        if spec.pushes:
-            # Nothing is stored to pull: have the next push rebuild its groups with this process in them.
-            from ray_forge.weights.vllm_receiver import engine_name
-
-            ray.get(controller.receiver_restarted.remote(engine_name()), timeout=self.config.call_timeout_s)
-            log.warning("restarted: version %d was pushed over %s before this engine came back; serving the base "
-                        "model (version 0) until the next push", version, spec.transport)
-            return
         self.update_weights(spec, version)
-        log.warning("restarted: loaded policy version %d from the weight store", version)
+        if self.version == version:
+            log.warning("restarted: loaded policy version %d from the weight store", version)
+        else:
+            log.warning("restarted: version %d cannot reach this engine now; serving version %d until the next sync",
+                        version, self.version)
 
     def whoami(self) -> tuple[int, int]:
         """(process id, version): a new process id means Ray restarted this engine."""
@@ -253,63 +248,55 @@ class VLLMPolicy:
                      policy_version=version, token_versions=(version,)) for k in picks]
 
     def update_weights(self, spec: StoreSpec, version: int) -> dict[str, float]:
-        """Load ``version`` in place (no engine restart), between two engine steps.
+        """Take ``version`` from the weight store and load it in place (no engine restart).
 
-        Generation pauses for the load only: requests in flight are preempted and continue on
-        the new weights, so their later tokens carry the new version. Returns seconds:
-        ``waited_s`` until the step loop took the update (at most one engine step), ``load_s``
-        the transfer into the engine, ``paused_s`` the whole time generation stood still.
+        The version is fetched first, off the step loop: the engine keeps generating while it is
+        published and, where the transport holds the bytes here (NIXL, a push), while they travel.
+        Then it is loaded between two engine steps: requests in flight are preempted and continue
+        on the new weights, so their later tokens carry the new version. Returns seconds (``fetch_s``
+        the wait and transfer before the load, ``waited_s`` until the step loop took the load, at
+        most one engine step, ``load_s`` the load, ``paused_s`` the whole time generation stood
+        still) and ``version``, the version the engine holds now: the one asked for, or its
+        previous one when the version does not come to it (a push it was not part of). A failed
+        fetch raises WeightSyncError and leaves the engine on its version."""
+        if not self._sync_lock.acquire(timeout=2 * (spec.timeout_s + self.config.call_timeout_s)):
+            raise WeightSyncError(f"an earlier weight update of this engine is still running (asked for {version})")
+        try:
+            return self._update(spec, version)
+        finally:
+            self._sync_lock.release()
 
-        Over the collective transport the trainer pushes at the same time: every worker receives
-        every bucket first, and the engine loads only then, so a failed transfer raises
-        WeightSyncError and leaves the engine on its current version."""
+    def _update(self, spec: StoreSpec, version: int) -> dict[str, float]:
         called = time.monotonic()
+        manifest = self.weights.fetch(spec, version)
+        fetched = time.monotonic()
+        if manifest is None:
+            return dict(fetch_s=fetched - called, version=self.version)
         timing: dict[str, float] = {}
 
-        def load(engine) -> bool:
+        def load(engine) -> None:
             start = time.monotonic()
-            timing["waited_s"] = start - called
+            timing["waited_s"] = start - fetched
             try:
-                return self._load(spec, version)
+                self.weights.load(spec, manifest)
+            except MixedWeights:
+                # Version -1 is older than any the buffer keeps, so the tokens sampled from a mix of
+                # two versions are dropped until a later update loads a whole version.
+                self.version = -1
+                self.loop.label(-1)
+                raise
             finally:
                 timing["load_s"] = time.monotonic() - start
 
-        loaded, paused_s = self.loop.update(load, version).result(timeout=spec.timeout_s + self.config.call_timeout_s)
-        if loaded is not False:
-            self.version = version
-        return dict(timing, paused_s=paused_s)
-
-    def _load(self, spec: StoreSpec, version: int) -> bool:
-        """On the step loop's thread: the transfer itself. False when this engine was not part
-        of a push (it restarted meanwhile): it keeps its weights and joins the next push."""
-        if spec.pushes:
-            from ray_forge.weights.vllm_receiver import receive_pushed
-
-            return receive_pushed(self.llm, spec, version, self.version)
-        store = WeightStore(spec)
-        manifest = store.manifest(version)
-        if spec.transport == "shm":
-            store.transport.check_local(manifest)
-        try:
-            self.llm.collective_rpc("pull_weights", args=(spec, manifest))
-        except Exception:
-            # A pull streams into the live weights: one that fails part-way leaves a mix of two
-            # versions. Version -1 is older than any the buffer keeps, so the tokens sampled from
-            # it are dropped until a later update loads a whole version.
-            self.version = -1
-            self.loop.label(-1)
-            raise
-        return True
+        _, paused_s = self.loop.update(load, version).result(timeout=spec.timeout_s + self.config.call_timeout_s)
+        self.version = version
+        return dict(timing, fetch_s=fetched - called, paused_s=paused_s, version=self.version)
 
     def weight_transfer_rpc(self, method: str, *args) -> list:
         """Call a method of the weight receiver (``ray_forge.weights.vllm_receiver``) on every
         worker of the engine, e.g. ``weights_digest``; returns each worker's answer."""
         return self.loop.run(lambda engine: self.llm.collective_rpc(method, args=args)).result(
             timeout=self.config.call_timeout_s)
-
-    def num_workers(self) -> int:
-        """vLLM workers of this engine: each takes its own rank in a collective push."""
-        return self.config.tensor_parallel_size
 
     def get_version(self) -> int:
         return self.version

@@ -234,9 +234,8 @@ class TitanTrainer:
         """Put this rank's own shards of the weights in the weight store, in HF naming with their
         place in each whole tensor: no rank gathers the model. Returns seconds.
 
-        The version is published once every rank has put its part; the put never waits for a
-        receiver, except over the collective transport, where it broadcasts into the engines while
-        they receive (``Fleet.push`` must run at the same time)."""
+        The version is published once every rank has put its part. The driver runs this together
+        with the engines' sync (``Fleet.sync``): over some transports the put streams into them."""
         from ray_forge.weights.shards import local_hf_pieces
 
         start = time.monotonic()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import ray
 
 from ray_forge.core.algorithm import TOKEN_STATS as _TOKEN_WEIGHTED
 from ray_forge.core.episode import Sample
 from ray_forge.remote import call, get
-from ray_forge.weights import StoreSpec
+from ray_forge.weights import StoreSpec, SyncNotOpened, WeightSyncError
+
+log = logging.getLogger(__name__)
 
 
 class TrainerGroup:
@@ -50,21 +53,12 @@ class TrainerGroup:
 
     async def publish_weights(self, spec: StoreSpec, version: int) -> float:
         """Every rank puts its own shards (none gathers the model); the version is published once
-        all have. Returns the slowest rank's seconds.
+        all have. Returns the slowest rank's seconds. The driver runs this together with the
+        engines' sync (``Fleet.sync``): over some transports the ranks stream into the engines.
 
-        Over a push transport (collective) the ranks broadcast into the engines, so ``Fleet.push``
-        must run at the same time. A failed push is not the trainer's failure: it is logged, the
-        engines keep their version, and the next push rebuilds the groups. A push nobody opened is
-        a driver that did not run the two together: that error is raised."""
-        import logging
-
-        import ray
-
-        from ray_forge.weights import WeightSyncError
-        from ray_forge.weights.collective import PushNotOpened
-
-        if not spec.pushes:
-            return max(await self._all("publish_weights", lambda rank: (spec, version)))
+        A sync that fails is not the trainer's failure: it is logged, the engines keep their
+        version, and the next sync tries again. A rank that dies is, and so is a publish no driver
+        opened a sync for (a driver that did not run the two together)."""
         refs = [r.publish_weights.remote(spec, version) for r in self.ranks]
         results = await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what=f"trainer-{i}.publish_weights")
                                           for i, ref in enumerate(refs)), return_exceptions=True)
@@ -72,8 +66,8 @@ class TrainerGroup:
         for rank, result in enumerate(results):
             cause = getattr(result, "cause", None)
             if isinstance(result, ray.exceptions.RayTaskError) and isinstance(cause, WeightSyncError) \
-                    and not isinstance(cause, PushNotOpened):
-                logging.getLogger(__name__).warning("trainer-%d: %s", rank, cause)
+                    and not isinstance(cause, SyncNotOpened):
+                log.warning("trainer-%d: %s", rank, cause)
             elif isinstance(result, BaseException):
                 raise result
             else:

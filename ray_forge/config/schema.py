@@ -12,6 +12,17 @@ POOL_LABEL = "ray_forge/pool"
 """The node label whose value says which pool a node serves (``cluster.pool_labels``)."""
 
 
+def check_engine_transport(transport: str, tensor_parallel_size: int) -> None:
+    """The one check of which weight transports reach an engine's workers: a tensor-parallel
+    engine's workers are vLLM's own processes, outside Ray, and only shared memory reaches them.
+    Run on the configured value when the config loads, and on the resolved one by the store."""
+    from ray_forge.config.loader import ConfigError
+
+    if tensor_parallel_size > 1 and transport not in ("auto", "shm"):
+        raise ConfigError(f"policy.tensor_parallel_size > 1 needs weights.transport shm (or auto on one node), "
+                          f"not {transport}: a tensor-parallel engine's workers run outside Ray")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Resources:
     """What one actor asks Ray for; applied with ``.options()`` where the actor is created."""
@@ -366,15 +377,13 @@ class JobConfig:
         return pools
 
     def __post_init__(self) -> None:
-        from ray_forge.config import ConfigError
+        from ray_forge.config.loader import ConfigError
 
         tp, engine = self.policy.tensor_parallel_size, self.policy.resources
         if tp > 1 and engine.num_gpus and engine.num_gpus != tp:
             raise ConfigError(f"policy.resources.num_gpus ({engine.num_gpus:g}) must equal policy.tensor_parallel_size "
                               f"({tp}): an engine's workers get their GPUs from its placement bundle")
-        if tp > 1 and self.weights.transport not in ("auto", "shm"):
-            raise ConfigError(f"policy.tensor_parallel_size > 1 needs weights.transport shm (or auto on one node), "
-                              f"not {self.weights.transport}: a tensor-parallel engine's workers run outside Ray")
+        check_engine_transport(self.weights.transport, tp)
         if tp > 1 and not engine.num_gpus and engine.num_cpus < tp:
             raise ConfigError(f"policy.resources.num_cpus ({engine.num_cpus:g}) must be at least "
                               f"policy.tensor_parallel_size ({tp}): on CPU each worker is bound to its own cores")
@@ -489,7 +498,7 @@ class SFTConfig:
     """The conversations and how they are batched."""
 
     def __post_init__(self) -> None:
-        from ray_forge.config import ConfigError
+        from ray_forge.config.loader import ConfigError
 
         for key, value, low in (("run.steps", self.run.steps, 1), ("data.batch_size", self.data.batch_size, 1),
                                 ("data.max_tokens", self.data.max_tokens, 2), ("trainer.num_ranks",

@@ -5,7 +5,7 @@ published weights before it serves (``VLLMPolicy._catch_up``). What the fleet ad
 driver's side: a batch of games that was in play on a dead actor is replayed from its seeds on a
 live pair, so no game is lost and none counts twice (a batch's games exist only once it has
 finished); a dead member is waited for, checked for the current weights, and counted; weight
-pushes skip a member that is restarting and sync it when it is back.
+syncs skip a member that is restarting and sync it when it is back.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import time
 from ray_forge.actors.rollout import RolloutSettings
 from ray_forge.core.episode import Episode
 from ray_forge.remote import RemoteCallError, call
+from ray_forge.weights import MixedWeights, StoreSpec, WeightSyncError
+from ray_forge.weights.sync import SyncRound
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +30,8 @@ class FleetError(RuntimeError):
 MAX_PLAY_ATTEMPTS = 16
 """Times a chunk of games is played again after an actor playing it died, before the run stops."""
 
-MAX_FAILED_PUSHES = 3
-"""Consecutive weight pushes that may fail (engines keep their version) before the run stops."""
+MAX_FAILED_SYNCS = 3
+"""Consecutive weight syncs that may fail (engines keep their version) before the run stops."""
 
 
 class Fleet:
@@ -39,12 +41,14 @@ class Fleet:
         self.timeout_s = {"policy": policy_timeout_s, "env": env_timeout_s}
         self.pids: dict[str, int] = {}
         self.version = 0
-        """The policy version every engine should hold: the newest pushed (a restarted one is brought to it)."""
-        self.failed_pushes = 0
-        """Pushes in a row that left some engine on its old version."""
+        """The policy version every engine should hold: the newest synced (a restarted one is brought to it)."""
+        self.failed_syncs = 0
+        """Syncs in a row that left some live engine on an older version."""
+        self.held: dict[str, int] = {}
+        """The version each engine said it holds after its last update."""
         self.serving = 0
-        """The version every live engine holds: ``version`` once its push has finished."""
-        self.spec = None
+        """The version every live engine holds: ``version`` once its sync has reached them all."""
+        self.spec: StoreSpec | None = None
         self._recovering: dict[str, asyncio.Task] = {}
         self.lost: set[str] = set()
         self.restarts = 0
@@ -129,17 +133,19 @@ class Fleet:
             self._recovering.pop(name, None)
 
     async def _sync(self, name: str, version: int) -> None:
-        """Bring a policy to the fleet's version (a push may have passed it by while it restarted)."""
-        if self.spec is not None and self.spec.pushes and version < self.version:
-            # Nothing is stored to pull: it serves what it has (its games carry that version, so the
-            # buffer's lag limit drops them) until the next push, which is opened with it in.
-            log.warning("%s is on version %d until the next push (pushed weights cannot be pulled)", name, version)
-            return
-        while version < self.version and self.spec is not None:
+        """Bring a policy to the fleet's version (a sync may have passed it by while it restarted)."""
+        self.held[name] = version
+        while self.spec is not None and self.held[name] < self.version:
             target = self.version
-            await call(self.members[name].update_weights.remote(self.spec, target), timeout_s=self.timeout_s["policy"],
-                       what=f"{name}.update_weights")
-            version = target
+            answer = await call(self.members[name].update_weights.remote(self.spec, target),
+                                timeout_s=self.spec.timeout_s + 60, what=f"{name}.update_weights")
+            self.held[name] = int(answer["version"])
+            if self.held[name] < target:
+                # Its games carry the version it holds, so the buffer's lag limit drops them until it catches up.
+                log.warning("%s is on version %d until the next sync (version %d cannot reach it now)", name,
+                            self.held[name], target)
+                break
+        self._note_serving()
 
     async def _whoami(self, name: str) -> tuple[int, int]:
         return await call(self.members[name].whoami.remote(), timeout_s=self.timeout_s[name.split("-")[0]],
@@ -166,74 +172,67 @@ class Fleet:
             raise FleetError(f"{name} is gone for good")
 
     # -- weights ---------------------------------------------------------------------------
-    async def push(self, spec, version: int) -> dict[str, float]:
-        """Every live engine loads ``version``; one that dies meanwhile is synced when it is back.
-        Returns the largest of each engine's timings (``VLLMPolicy.update_weights``).
+    def engines(self) -> list[str]:
+        return [f"policy-{i}" for i in range(self.num["policy"])]
 
-        Pull transports: the version is already published. A push transport (collective): the
-        trainer's ``publish_weights`` must run at the same time; the push is opened for the live
-        engines (a change of who is live rebuilds the groups), an engine that dies aborts it at
-        once, and an engine whose transfer fails keeps its version (``serving`` does not move)."""
-        from ray_forge.weights.collective import close_push, open_push
-
+    async def sync(self, spec: StoreSpec, version: int) -> dict[str, float]:
+        """Every live engine takes ``version`` while the trainer publishes it: the driver runs this
+        and the trainer's ``publish_weights`` together, and the weight store decides how the bytes
+        travel (``SyncRound``). An engine that dies meanwhile is synced when it is back; one whose
+        sync fails keeps its version (``serving`` does not move), and syncs that keep failing stop
+        the run. Returns the largest of each engine's timings (``VLLMPolicy.update_weights``)."""
         self.spec, self.version = spec, version
-        names = [f"policy-{i}" for i in range(self.num["policy"])]
-        session = None
-        if spec.pushes:
-            if len(spec.receivers) != len(names):
-                raise ValueError(f"the weight store's receivers {list(spec.receivers)} are not the fleet's {names}")
-            # Engine i is the actor spec.receivers[i] (policy-i in a job): it finds its ranks by that name.
-            live = tuple(spec.receivers[i] for i, name in enumerate(names)
-                         if name not in self._recovering and name not in self.lost)
-            session = await open_push(spec, version, live)
+        names = self.engines()
+        live = [i for i, name in enumerate(names) if not self.down(name)]
+        round_ = await SyncRound.open(spec, version, live)
         try:
-            results = await asyncio.gather(*(self._update(name, spec, version, session) for name in names))
+            answers = await asyncio.gather(*(self._update(names[i], round_) for i in live))
         finally:
-            if session is not None:
-                await close_push(spec, version)
-        failed = [name for name, r in zip(names, results) if r is None]
-        if failed or (session is not None and not live):
-            # Rollouts wait for a served version: pushes that keep failing would stall the run.
-            self.failed_pushes += 1
-            if self.failed_pushes >= MAX_FAILED_PUSHES:
-                raise FleetError(f"weights could not be pushed to {failed or 'any engine'} {self.failed_pushes} times "
-                                 f"in a row (last: version {version}); see the errors above")
+            await round_.close()
+        loaded = [answer for answer in answers if answer is not None and answer["version"] == version]
+        if self._note_serving():
+            self.failed_syncs = 0
         else:
-            self.failed_pushes = 0
-            self.serving = version
-        loaded = [r for r in results if r is not None]
-        return {key: max(r[key] for r in loaded if key in r) for key in {k for r in loaded for k in r}}
+            # Rollouts wait for a served version: syncs that keep failing would stall the run.
+            self.failed_syncs += 1
+            behind = [n for n in names if not self.down(n) and self.held.get(n) != version]
+            if self.failed_syncs >= MAX_FAILED_SYNCS:
+                raise FleetError(f"weights could not be synced to {behind or 'any engine'} {self.failed_syncs} times "
+                                 f"in a row (last: version {version}); see the errors above")
+        timings = [{k: v for k, v in answer.items() if k != "version"} for answer in loaded]
+        return {key: max(t[key] for t in timings if key in t) for key in {k for t in timings for k in t}}
 
-    async def _update(self, name: str, spec, version: int, session=None) -> dict[str, float] | None:
-        """The timings of ``name``'s load of ``version`` (none if it was restarting); None when its
-        push failed and it kept its previous version (push transport only)."""
+    def _note_serving(self) -> bool:
+        """Move ``serving`` to ``version`` once every live engine holds it; whether it is there."""
+        live = [name for name in self.engines() if not self.down(name)]
+        if live and all(self.held.get(name) == self.version for name in live):
+            self.serving = self.version
+        return self.serving == self.version
+
+    async def _update(self, name: str, round_: SyncRound) -> dict[str, float] | None:
+        """``name``'s answer to its update (timings and the version it holds); None when it died
+        (it is synced when it is back) or its sync failed (it keeps its previous version)."""
         import ray
 
-        from ray_forge.weights import WeightSyncError
-        from ray_forge.weights.collective import push_failed
-
-        if name in self._recovering or name in self.lost:
-            return {}  # it syncs to self.version when it is back
-        # A push bounds its own waits by spec.timeout_s and names the peer; leave it room to say so.
-        timeout_s = spec.timeout_s + (60 if session is not None else 0)
         try:
-            return await call(self.members[name].update_weights.remote(spec, version), timeout_s=timeout_s,
-                              what=f"{name}.update_weights")
+            answer = await call(self.members[name].update_weights.remote(round_.spec, round_.version),
+                                timeout_s=round_.engine_timeout_s, what=f"{name}.update_weights")
         except RemoteCallError as err:
             if not err.died:
                 raise
-            if session is None:
-                log.warning("%s; it gets version %d when it is back", err, version)
-            else:  # nothing is stored to pull later, and the others would wait for it until their timeout
-                log.warning("%s; it takes part in the next push when it is back", err)
-                await push_failed(spec, session, f"{name} died ({err})")
+            log.warning("%s; it is synced when it is back", err)
+            await round_.engine_died(name, str(err))
             self.recover(name)
-            return {}
+            return None
         except ray.exceptions.RayTaskError as err:
-            if session is None or not isinstance(err.cause, WeightSyncError):
+            if not isinstance(err.cause, WeightSyncError):
                 raise
             log.warning("%s", err.cause)
+            if isinstance(err.cause, MixedWeights):
+                self.held[name] = -1
             return None
+        self.held[name] = int(answer["version"])
+        return answer
 
     def stats(self) -> dict[str, int]:
         """Restarts as Ray's control store counts them (a member killed while idle and back before

@@ -8,8 +8,10 @@ Transports: ``shm`` (same node, the local default), ``object_store`` (across nod
 
 from ray_forge.weights.base import (
                                     Manifest,
+                                    MixedWeights,
                                     Part,
                                     StoreSpec,
+                                    SyncNotOpened,
                                     TransportUnavailable,
                                     WeightSyncError,
                                     resolve_transport,
@@ -17,5 +19,5 @@ from ray_forge.weights.base import (
 )
 from ray_forge.weights.store import WeightStore
 
-__all__ = ["Manifest", "Part", "StoreSpec", "TransportUnavailable", "WeightStore", "WeightSyncError",
-           "resolve_transport", "version_key"]
+__all__ = ["Manifest", "MixedWeights", "Part", "StoreSpec", "SyncNotOpened", "TransportUnavailable", "WeightStore",
+           "WeightSyncError", "resolve_transport", "version_key"]

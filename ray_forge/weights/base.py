@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 
+from ray_forge.config import check_engine_transport
 from ray_forge.weights.layout import Bucket
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,17 @@ class WeightSyncError(RuntimeError):
 
 class TransportUnavailable(WeightSyncError):
     """The chosen transport cannot run in this environment (a package or device is missing)."""
+
+
+class SyncNotOpened(WeightSyncError):
+    """A trainer rank published a version that no driver opened a sync for, over a transport that
+    streams into live engines: the driver did not run the trainer's publish and the engines' sync
+    together (a bug in the driver, not a fault)."""
+
+
+class MixedWeights(WeightSyncError):
+    """A load failed after it had begun to overwrite the engine's weights: the engine now holds
+    parts of two versions until a later load completes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +75,7 @@ class StoreSpec:
             raise ValueError("bucket_bytes must be at least 64 KiB")
         if self.workers_per_receiver < 1:
             raise ValueError("workers_per_receiver must be >= 1")
+        check_engine_transport(self.transport, self.workers_per_receiver)
         if self.dtype and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"weights dtype {self.dtype!r} is not a torch dtype")
 
@@ -145,18 +158,30 @@ def version_key(version: int) -> str:
 
 
 class Transport(Protocol):
-    """Moves bucket bytes. ``write`` runs in the sender, ``read`` in each receiver (one bucket at
-    a time, so a receiver never holds more than about one bucket beyond its model), ``free`` when
-    a version is evicted (in the process that wrote the part)."""
+    """Moves bucket bytes; one per process and store. Every transport has the same shape:
 
-    def write(self, version: int, rank: int, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> Any: ...
+    - ``put`` runs in a trainer rank: it moves the rank's buckets and publishes its part (through
+      ``publish``) once receivers may read it: after writing them for a transport that stores
+      them, before streaming them for one that pushes into live receivers;
+    - ``fetch`` runs in a receiver, off the engine's step loop: it waits for the version and brings
+      its bytes into this process where the transport can hold them (NIXL's registered buffers, a
+      push's staging), so that the load pauses generation only for the copy into the engine.
+      None when this process is not one the version goes to (a push it was not a member of);
+    - ``read`` yields a part's buckets, one at a time, from what ``fetch`` brought in or from
+      where they are stored (so a receiver holds about one bucket beyond its model);
+    - ``free`` releases an evicted part (in the process that wrote it).
+    """
+
+    def put(self, part: Part, tensors: Mapping[str, torch.Tensor], publish: Callable[[Part], None]) -> Part: ...
+
+    def fetch(self, version: int, member: str, worker: int, deadline: float) -> Manifest | None: ...
 
     def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]: ...
 
     def free(self, part: Part) -> None: ...
 
     def destroy(self) -> None:
-        """Release what this process holds (shared-memory folders it wrote, push groups)."""
+        """Release what this process holds (shared-memory folders it wrote, buffers, push groups)."""
         return None
 
 

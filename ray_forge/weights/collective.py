@@ -23,24 +23,20 @@ failed. Every wait is bounded by the spec's timeout and names whom it waited for
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from ray_forge.weights.base import Manifest, Part, StoreSpec, Transport, WeightSyncError, version_key
-from ray_forge.weights.layout import Bucket, assemble, pack_into
-
-if TYPE_CHECKING:
-    from ray_forge.weights.store import WeightStore
+from ray_forge.weights.base import Manifest, Part, StoreSpec, SyncNotOpened, WeightSyncError, version_key
+from ray_forge.weights.controller import ControllerClient
+from ray_forge.weights.layout import Bucket, pack_into
+from ray_forge.weights.rendezvous import Session
+from ray_forge.weights.staging import drop_staging, receiving_device, staging_for
 
 log = logging.getLogger(__name__)
 
@@ -53,160 +49,51 @@ _ACK_GRACE_S = 5.0
 that the ones it names as silent are the dead or stuck ones."""
 
 
-@dataclass(frozen=True)
-class Session:
-    """One push: who takes part, and which generation of groups carries it."""
-
-    generation: int
-    version: int
-    first_version: int
-    """The version this generation's groups were built for; a later push reuses them."""
-    host: str
-    port: int
-    senders: tuple[str, ...]
-    receivers: tuple[str, ...]
-    workers_per_receiver: int
-    closed: bool = False
-    """The driver has finished this push; an engine asking for it now missed it."""
-
-    @property
-    def group_size(self) -> int:
-        return 1 + len(self.receivers) * self.workers_per_receiver
-
-    def group_rank(self, engine: str, worker: int) -> int:
-        return 1 + self.receivers.index(engine) * self.workers_per_receiver + worker
-
-    def member_name(self, group_rank: int, sender_rank: int) -> str:
-        if group_rank == 0:
-            return f"{self.senders[sender_rank]} (sender)"
-        engine, worker = divmod(group_rank - 1, self.workers_per_receiver)
-        return self.receivers[engine] + (f" worker {worker}" if self.workers_per_receiver > 1 else "")
-
-    def key(self, *parts) -> str:
-        return _key(self.generation, *parts)
-
-    @property
-    def abort_key(self) -> str:
-        return _key(self.generation, "abort")
-
-
-def _key(generation: int, *parts) -> str:
-    """Keys in the rendezvous store, by generation: a rebuilt group never reads an old one's."""
-    return "/".join(["push", f"gen{generation}", *map(str, parts)])
-
-
-class PushSessions:
-    """The controller's side: hosts the rendezvous store and decides each push's generation."""
-
-    def __init__(self, host: str) -> None:
-        # The server lives as long as the controller; members connect as clients.
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-        self.host, self.port = host, self.store.port
-        self.generation = 0
-        self.current: Session | None = None
-        self.stale = True
-        self.sessions: dict[int, Session] = {}
-        self.opened: dict[int, asyncio.Event] = {}
-
-    def open(self, version: int, receivers: tuple[str, ...], spec: StoreSpec) -> Session:
-        senders = spec.senders or (spec.sender,)
-        same = (self.current is not None and not self.stale and self.current.receivers == receivers
-                and self.current.senders == senders and self.current.workers_per_receiver == spec.workers_per_receiver)
-        if not same:
-            self.generation += 1
-            self.stale = False
-        first = self.current.first_version if same else version
-        self.current = Session(self.generation, version, first, self.host, self.port, senders, receivers,
-                               spec.workers_per_receiver)
-        self.sessions[version] = self.current
-        self.opened.setdefault(version, asyncio.Event()).set()
-        for old in sorted(self.sessions)[:-8]:  # a few recent pushes, for engines asking late
-            self.sessions.pop(old)
-            self.opened.pop(old, None)
-        return self.current
-
-    async def wait_for(self, version: int, timeout_s: float) -> Session | None:
-        if version not in self.sessions:
-            try:
-                await asyncio.wait_for(self.opened.setdefault(version, asyncio.Event()).wait(), timeout=timeout_s)
-            except asyncio.TimeoutError:
-                return None
-        return self.sessions.get(version)
-
-    def fail(self, generation: int, reason: str) -> None:
-        if self.current is not None and self.current.generation == generation:
-            self.stale = True
-        key = _key(generation, "abort")
-        if not self.store.check([key]):
-            self.store.set(key, reason)
-
-    def close(self, version: int) -> None:
-        if version in self.sessions:
-            self.sessions[version] = dataclasses.replace(self.sessions[version], closed=True)
-
-    def member_restarted(self, name: str) -> None:
-        if self.current is not None and name in self.current.receivers:
-            self.stale = True
-
-
 class _BroadcastFailed(WeightSyncError):
     """A collective of the transfer itself failed (not a rendezvous)."""
-
-
-class PushNotOpened(WeightSyncError):
-    """The trainer published over a push transport, but no driver opened the push: the trainer's
-    publish and the fleet's push were not run at the same time (a bug in the driver, not a fault)."""
 
 
 class MissedPush(WeightSyncError):
     """This process is not a member of the push (it restarted after the groups were built)."""
 
 
-class CollectiveTransport(Transport):
-    """One per process: its rendezvous client, its groups (by generation) and, in an engine
-    worker, the staging buffers of the last version received."""
+class CollectiveTransport:
+    """One per process: its rendezvous client and its groups (by generation); an engine receives
+    into this process's staging (``staging.py``), which its worker then loads from."""
 
-    def __init__(self, spec: StoreSpec) -> None:
-        self.spec = spec
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+    def __init__(self, spec: StoreSpec, client: ControllerClient) -> None:
+        self.spec, self.controller = spec, client
+        self.device = receiving_device()
         self._client: dist.TCPStore | None = None
         self._client_address: tuple[str, int] | None = None
         self.generation = 0
         self.groups: dict[int, object] = {}
         """Sender rank -> process group, for ``self.generation``."""
-        self.staging: dict[tuple[int, int], torch.Tensor] = {}
         self._send_buffer: torch.Tensor | None = None
         self._pushed: list[Session] = []
 
-    # -- the store interface (a push stores nothing) -------------------------------------------
-    def write(self, version: int, rank: int, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]):
-        raise WeightSyncError("the collective transport pushes into the engines: use put_shards")
-
-    def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
-        raise WeightSyncError(f"weights version {part.version} were pushed over the collective transport, "
-                              "not stored: they cannot be read back")
-
     def free(self, part: Part) -> None:
-        pass
+        pass  # a push stores nothing
 
     def destroy(self) -> None:
         self._drop_groups()
-        self.staging.clear()
+        drop_staging(self.spec.name)
 
     # -- sender --------------------------------------------------------------------------------
-    def push(self, part: Part, tensors: Mapping[str, torch.Tensor], store: "WeightStore") -> None:
-        """Broadcast this rank's buckets to every engine worker of the push of ``part.version``.
-        Returns once every receiver has acknowledged them; raises WeightSyncError naming the
-        receivers that did not (and tells everyone the push failed)."""
+    def put(self, part: Part, tensors: Mapping[str, torch.Tensor], publish: Callable[[Part], None]) -> Part:
+        """Publish this rank's layout (receivers learn it from the manifest), then broadcast its
+        buckets to every engine worker of the push of ``part.version``. Returns once every receiver
+        has acknowledged them; raises WeightSyncError naming the receivers that did not (and tells
+        everyone the push failed)."""
+        publish(part)
         deadline = time.monotonic() + self.spec.timeout_s
-        session = self._session(store, part.version, deadline, who=part.sender)
+        session = self._session(part.version, deadline, who=part.sender)
         client = self._store(session)
         try:
             self._send(part, tensors, session, client, deadline)
         except Exception as err:
             # Any failure (packing a bucket included) is told to everyone, or the receivers would wait it out.
-            self._fail(store, session, str(err) if isinstance(err, WeightSyncError)
+            self._fail(session, str(err) if isinstance(err, WeightSyncError)
                        else f"{part.sender}: {type(err).__name__}: {err}")
             if not isinstance(err, _BroadcastFailed):
                 raise
@@ -215,6 +102,7 @@ class CollectiveTransport(Transport):
             silent = self._silent(client, session, part.version, part.rank, grace_s)
             raise WeightSyncError(f"{err}; receivers that did not acknowledge: {', '.join(silent) or 'none'}") from None
         self._forget(client, session, part.rank)
+        return part
 
     def _send(self, part: Part, tensors: Mapping[str, torch.Tensor], session: Session, client: dist.TCPStore,
               deadline: float) -> None:
@@ -257,15 +145,17 @@ class CollectiveTransport(Transport):
         return buffer
 
     # -- receiver ------------------------------------------------------------------------------
-    def receive(self, store: "WeightStore", version: int, engine: str, worker: int = 0) -> "StagedVersion | None":
-        """Receive every bucket of ``version`` into staging; None when this engine is not part of
-        that push (it was restarting when the push began). Loading is the caller's next step."""
-        deadline = time.monotonic() + self.spec.timeout_s
-        session = self._session(store, version, deadline, who=engine)
-        if engine not in session.receivers or session.closed:
+    def fetch(self, version: int, member: str, worker: int, deadline: float) -> Manifest | None:
+        """Receive every bucket of ``version`` into this process's staging; None when ``member``
+        is not part of that push (it was restarting when the push began: the next push's groups
+        are rebuilt with it). Loading is the caller's next step."""
+        session = self._session(version, deadline, who=member or "a reader")
+        if member not in session.receivers or session.closed:
+            if member and session.generation != self.generation:
+                self.controller.receiver_restarted(member, timeout_s=30)
             return None
-        manifest = store.manifest(version, deadline)
-        me = session.group_rank(engine, worker)
+        manifest = self.controller.manifest(version, deadline)
+        me = session.group_rank(member, worker)
         client = self._store(session)
         name = session.member_name(me, 0)
         if session.generation != self.generation and session.first_version == session.version:
@@ -276,12 +166,13 @@ class CollectiveTransport(Transport):
         try:
             groups = {p.rank: self._group(session, p.rank, me, deadline) for p in manifest.parts}
         except MissedPush as err:
-            self._fail(store, session, str(err))
+            self._fail(session, str(err))
             return None
         except WeightSyncError as err:
-            self._fail(store, session, f"{name}: {err}")
+            self._fail(session, f"{name}: {err}")
             raise
-        self._stage(manifest)
+        staging = staging_for(self.spec.name, _allocate)
+        buffers = staging.prepare(manifest, self.device)
         client.set(session.key(version_key(version), "ready", me), "1")
         # The senders know who is missing: let them time out first and name the culprit in their abort.
         data_deadline = deadline + _RECEIVER_GRACE_S
@@ -289,34 +180,27 @@ class CollectiveTransport(Transport):
             for part, bucket in manifest.in_group_order():
                 what = f"{name}: bucket {bucket.index} of weights version {version} from {part.sender} " \
                        f"(trainer rank {part.rank})"
-                self._broadcast(groups[part.rank], self.staging[(part.rank, bucket.index)], session, client,
+                self._broadcast(groups[part.rank], buffers[(part.rank, bucket.index)], session, client,
                                 data_deadline, what)
         except WeightSyncError as err:
             client.set(session.key(version_key(version), "status", me), f"failed: {err}")
-            self._fail(store, session, str(err))
+            self._fail(session, str(err))
             raise
         client.set(session.key(version_key(version), "status", me), "ok")
-        return StagedVersion(manifest, self.staging)
+        staging.mark(version)
+        return manifest
 
-    def _stage(self, manifest: Manifest) -> None:
-        """One buffer per (sender rank, bucket), reused from the previous version when the layout
-        is the same (every step after the first): the staging copy is one model in wire dtype."""
-        wanted = {(p.rank, b.index): b.nbytes for p in manifest.parts for b in p.buckets}
-        for key in [k for k, t in self.staging.items() if wanted.get(k) != t.numel()]:
-            del self.staging[key]
-        for key, nbytes in wanted.items():
-            if key not in self.staging:
-                self.staging[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+    def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """The buckets this process received (a push stores nothing anywhere else)."""
+        yield from staging_for(self.spec.name, _allocate).read(part)
 
     # -- groups --------------------------------------------------------------------------------
-    def _session(self, store: "WeightStore", version: int, deadline: float, who: str) -> Session:
-        wait_s = max(0.0, deadline - time.monotonic())
-        session = store._ask(store.controller.push_session.remote(version, wait_s), f"push_session({version})",
-                             wait_s + 10)
+    def _session(self, version: int, deadline: float, who: str) -> Session:
+        session = self.controller.push_session(version, deadline)
         if session is None:
-            raise PushNotOpened(f"no push of weights version {version} was opened within {self.spec.timeout_s:.0f}s "
-                                f"(waiting in {who}): the driver opens it in Fleet.push, which must run at the "
-                                "same time as the trainer's publish_weights for the collective transport")
+            raise SyncNotOpened(f"no push of weights version {version} was opened within {self.spec.timeout_s:.0f}s "
+                                f"(waiting in {who}): the driver opens it in Fleet.sync, which must run at the "
+                                "same time as the trainer's publish_weights")
         return session
 
     def _store(self, session: Session) -> dist.TCPStore:
@@ -362,10 +246,10 @@ class CollectiveTransport(Transport):
                 log.debug("abort of a push group: %s", err)
         self.groups.clear()
 
-    def _fail(self, store: "WeightStore", session: Session, reason: str) -> None:
+    def _fail(self, session: Session, reason: str) -> None:
         self._drop_groups()
         try:
-            store._ask(store.controller.push_failed.remote(session.generation, reason[:2000]), "push_failed", 30)
+            self.controller.push_failed(session.generation, reason)
         except WeightSyncError as err:  # the failure itself is what the caller reports
             log.warning("could not report a failed push to the weight store controller: %s", err)
 
@@ -421,28 +305,8 @@ class CollectiveTransport(Transport):
             raise WeightSyncError(f"{what} failed: {_first_line(err)}{why}") from None
 
 
-class StagedVersion:
-    """A version received into staging: iterating yields whole tensors (for vLLM's loader)."""
-
-    def __init__(self, manifest: Manifest, staging: dict[tuple[int, int], torch.Tensor]) -> None:
-        self.manifest, self.staging = manifest, staging
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        order = self.manifest.in_group_order()
-        stream = ((bucket, self.staging[(part.rank, bucket.index)]) for part, bucket in order)
-        return assemble(stream, f"weights version {self.manifest.version} from {self.manifest.sender}")
-
-
-def tensors_digest(named_tensors) -> str:
-    """A hash of names, dtypes, shapes and bytes, independent of order: equal digests mean
-    bitwise-equal state dicts."""
-    entries = []
-    for name, tensor in named_tensors:
-        t = tensor.detach().contiguous().cpu()
-        h = hashlib.blake2b(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode(), digest_size=16)
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        entries.append(h.hexdigest())
-    return hashlib.blake2b("".join(sorted(entries)).encode(), digest_size=16).hexdigest()
+def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _new_group(store, rank: int, size: int, timeout: timedelta, device: torch.device):
@@ -462,29 +326,3 @@ def _first_line(err: Exception) -> str:
     """The error's first line, without gloo's boilerplate advice."""
     text = str(err).strip().splitlines()
     return text[0].split(" This is typically caused by")[0] if text else err.__class__.__name__
-
-
-# -- the driver's side (Fleet.push) -------------------------------------------------------------
-async def open_push(spec: StoreSpec, version: int, receivers: tuple[str, ...]) -> Session:
-    """Open the push of ``version`` to ``receivers`` (the live engines, in ``spec.receivers`` order)."""
-    return await _controller_call(spec, "open_push", version, receivers, spec)
-
-
-async def push_failed(spec: StoreSpec, session: Session, reason: str) -> None:
-    await _controller_call(spec, "push_failed", session.generation, reason)
-
-
-async def close_push(spec: StoreSpec, version: int) -> None:
-    await _controller_call(spec, "close_push", version)
-
-
-async def _controller_call(spec: StoreSpec, method: str, *args):
-    import ray
-
-    from ray_forge.remote import call
-
-    try:
-        controller = ray.get_actor(spec.controller_name)
-    except ValueError:
-        raise WeightSyncError(f"weight store {spec.name!r} has no controller") from None
-    return await call(getattr(controller, method).remote(*args), timeout_s=60, what=f"weight store.{method}")

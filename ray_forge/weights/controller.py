@@ -1,19 +1,23 @@
-"""The store's controller actor: which versions exist and where they live (TorchStore's role).
+"""The store's controller: which versions exist and where they live (TorchStore's role), and the
+client every other process talks to it through.
 
 A version is put in parts, one per trainer rank; it is published (receivers may read it) only
 once every rank's part is in. For the push transport it also opens each push: who takes part,
-in which process group generation, and the rendezvous store they meet at.
+in which process group generation, and the rendezvous store they meet at (``rendezvous.py``).
+Every call of the client has a timeout, and a missing version is explained by who did not put it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 
 import ray
 
-from ray_forge.weights.base import Manifest, Part, StoreSpec
+from ray_forge.weights.base import Manifest, Part, StoreSpec, WeightSyncError, controller_name
+from ray_forge.weights.rendezvous import PushSessions, Session
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +107,7 @@ class WeightStoreController:
         return self.manifests.pop(version, None)
 
     # -- pushes (collective transport) --------------------------------------------------------
-    def _sessions(self):
-        from ray_forge.weights.collective import PushSessions
-
+    def _sessions(self) -> PushSessions:
         if self.pushes is None:
             self.pushes = PushSessions(ray.util.get_node_ip_address())
         return self.pushes
@@ -132,3 +134,100 @@ class WeightStoreController:
 
 
 ControllerActor = ray.remote(num_cpus=0)(WeightStoreController)
+
+
+CONTROLLER_TIMEOUT_S = 60.0
+
+
+class ControllerClient:
+    """How every process talks to a store's controller; cheap to make, and picklable by its spec."""
+
+    def __init__(self, spec: StoreSpec) -> None:
+        self.spec = spec
+        self._handle = None
+
+    def start(self) -> None:
+        """Start the controller (owned by the calling process, normally the driver)."""
+        # Keep this handle: Ray stops an actor once its creator's handles are gone.
+        self._handle = ControllerActor.options(name=controller_name(self.spec.name), get_if_exists=True).remote()
+        self.ask(self._handle.versions.remote(), "start-up", timeout_s=max(CONTROLLER_TIMEOUT_S, self.spec.timeout_s))
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            try:
+                self._handle = ray.get_actor(controller_name(self.spec.name))
+            except ValueError:
+                raise WeightSyncError(f"weight store {self.spec.name!r} has no controller; "
+                                      "create it with WeightStore.create(spec) first") from None
+        return self._handle
+
+    def ask(self, ref, what: str, timeout_s: float | None = None):
+        """The controller's answer. Its bookkeeping calls get at least CONTROLLER_TIMEOUT_S whatever
+        the transfer timeout: the first ref of a direct transport (nixl) that reaches it starts Ray's
+        transport manager there, which takes seconds."""
+        try:
+            return ray.get(ref, timeout=timeout_s or max(self.spec.timeout_s, CONTROLLER_TIMEOUT_S))
+        except ray.exceptions.GetTimeoutError:
+            raise WeightSyncError(f"weight store controller did not answer {what} in time") from None
+        except ray.exceptions.RayActorError as err:
+            raise WeightSyncError(f"weight store controller died during {what}") from err
+
+    async def ask_async(self, method: str, *args):
+        """A controller call from the driver's event loop (opening, failing and closing a push)."""
+        from ray_forge.remote import call
+
+        return await call(getattr(self.handle, method).remote(*args), timeout_s=CONTROLLER_TIMEOUT_S,
+                          what=f"weight store.{method}")
+
+    # -- versions ------------------------------------------------------------------------------
+    def put_part(self, part: Part, num_ranks: int) -> list[Part]:
+        """Record a rank's part; returns the parts of this rank evicted since, for it to free."""
+        return self.ask(self.handle.put_part.remote(part, num_ranks, self.spec.keep_versions, self.spec),
+                        f"put_part({part.version}, rank {part.rank})")
+
+    def manifest(self, version: int, deadline: float) -> Manifest:
+        """The version's manifest, waiting until ``deadline`` for every rank's part; an error that
+        says who did not put it (or that it was evicted) otherwise."""
+        wait_s = max(0.0, deadline - time.monotonic())
+        found = self.ask(self.handle.manifest.remote(version, wait_s), f"manifest({version})", wait_s + 10)
+        if found is None:
+            raise WeightSyncError(f"weights version {version} from {self._senders()} are not available: "
+                                  f"{self._why_missing(version)}; live versions {self.versions()}")
+        return found
+
+    def _senders(self) -> str:
+        return ", ".join(self.spec.senders) or self.spec.sender
+
+    def _why_missing(self, version: int) -> str:
+        live = self.versions()
+        missing = self.ask(self.handle.missing_parts.remote(version), f"missing_parts({version})")
+        if (live and version < live[0]) or missing is None:
+            return "it was evicted"
+        num_ranks = max(len(self.spec.senders), 1 + max(missing, default=0))
+        names = ", ".join(self.spec.sender_name(r, num_ranks) for r in missing)
+        did = "did not publish it" if len(missing) == num_ranks else "did not put its part"
+        return f"{names} {did} within {self.spec.timeout_s:.0f}s (is the sender alive?)"
+
+    def versions(self) -> list[int]:
+        return self.ask(self.handle.versions.remote(), "versions()")
+
+    def delete(self, version: int) -> Manifest | None:
+        return self.ask(self.handle.delete.remote(version), f"delete({version})")
+
+    def latest(self, timeout_s: float) -> tuple[StoreSpec, int] | None:
+        return self.ask(self.handle.latest.remote(), "latest()", timeout_s)
+
+    # -- pushes --------------------------------------------------------------------------------
+    def push_session(self, version: int, deadline: float) -> Session | None:
+        wait_s = max(0.0, deadline - time.monotonic())
+        return self.ask(self.handle.push_session.remote(version, wait_s), f"push_session({version})", wait_s + 10)
+
+    def push_failed(self, generation: int, reason: str) -> None:
+        self.ask(self.handle.push_failed.remote(generation, reason[:2000]), "push_failed", 30)
+
+    def receiver_restarted(self, name: str, timeout_s: float) -> None:
+        self.ask(self.handle.receiver_restarted.remote(name), "receiver_restarted", timeout_s)
+
+    def kill(self) -> None:
+        ray.kill(self.handle, no_restart=True)

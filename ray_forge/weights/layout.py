@@ -9,6 +9,7 @@ assembles one group of whole tensors at a time and never holds more than about o
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
 
@@ -208,3 +209,15 @@ def _check_complete(pending: dict[str, _Partial], what: str) -> None:
         name, partial = next(iter(pending.items()))
         raise ValueError(f"{what}: {len(pending)} tensors are missing rows, e.g. {name} "
                          f"(rows received: {sorted(partial.rows)} of {partial.tensor.shape[0]})")
+
+
+def tensors_digest(named_tensors) -> str:
+    """A hash of names, dtypes, shapes and bytes, independent of order: equal digests mean
+    bitwise-equal state dicts."""
+    entries = []
+    for name, tensor in named_tensors:
+        t = tensor.detach().contiguous().cpu()
+        h = hashlib.blake2b(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode(), digest_size=16)
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        entries.append(h.hexdigest())
+    return hashlib.blake2b("".join(sorted(entries)).encode(), digest_size=16).hexdigest()

@@ -8,7 +8,7 @@ a dead sender makes a receiver's fetch fail at once (Ray reports the owner died)
 Ray's direct tensor transport (RDT) over gloo was measured here and not used: across two nodes it
 moved 0.25-0.30 GB/s against 0.4-0.5 for these buckets, the sender serves receivers one after
 another, a receiver cannot receive into its own tensors, and a dead sender takes the receiving
-actors (here: the vLLM engines) down with it. NIXL, its one-sided transport, needs GPUs.
+actors (here: the vLLM engines) down with it. Its one-sided transport, NIXL, is ``nixl.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import numpy as np
 import ray
 import torch
 
-from ray_forge.weights.base import Part, StoreSpec, Transport, WeightSyncError
+from ray_forge.weights.base import Part, WeightSyncError
 from ray_forge.weights.layout import Bucket, pack_into
+from ray_forge.weights.stored import StoredTransport
 
 _LOST = (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError, ray.exceptions.ObjectFetchTimedOutError)
 
@@ -54,10 +55,7 @@ def as_bytes(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-class ObjectStoreTransport(Transport):
-    def __init__(self, spec: StoreSpec) -> None:
-        self.spec = spec
-
+class ObjectStoreTransport(StoredTransport):
     def write(self, version: int, rank: int, buckets: list[Bucket], tensors: Mapping[str, torch.Tensor]) -> tuple:
         refs = []
         for bucket in buckets:
@@ -86,5 +84,4 @@ class ObjectStoreTransport(Transport):
             raise WeightSyncError(f"{what} is lost: {part.sender} died or the object was evicted "
                                   f"({err.__class__.__name__})") from err
 
-    def free(self, part: Part) -> None:
-        pass  # dropping the last reference (the controller's manifest) releases the buckets
+    # free: nothing to do; dropping the last reference (the controller's manifest) releases the buckets

@@ -17,8 +17,10 @@ from typing import Iterator, Mapping
 import ray
 import torch
 
-from ray_forge.weights.base import Part, StoreSpec, Transport, WeightSyncError, version_key
+from ray_forge.weights.base import Manifest, Part, StoreSpec, WeightSyncError, version_key
+from ray_forge.weights.controller import ControllerClient
 from ray_forge.weights.layout import Bucket, pack_into
+from ray_forge.weights.stored import StoredTransport
 
 
 def default_root() -> Path:
@@ -43,9 +45,9 @@ def map_file(path: Path, nbytes: int, writable: bool) -> torch.Tensor:
     return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-class SharedMemoryTransport(Transport):
-    def __init__(self, spec: StoreSpec, root: Path | None = None) -> None:
-        self.spec = spec
+class SharedMemoryTransport(StoredTransport):
+    def __init__(self, spec: StoreSpec, client: ControllerClient, root: Path | None = None) -> None:
+        super().__init__(spec, client)
         self.root = (root or default_root()) / spec.name
 
     def version_dir(self, version: int, rank: int = 0) -> Path:
@@ -65,10 +67,12 @@ class SharedMemoryTransport(Transport):
         staging.rename(final)  # a reader never sees a half-written version
         return {"dir": str(final), "node_id": _node_id()}
 
-    def check_local(self, manifest) -> None:
-        """Every part of ``manifest`` lies in this node's shared memory (the caller must run in Ray)."""
+    def fetch(self, version: int, member: str, worker: int, deadline: float) -> Manifest:
+        """The manifest, once every part of it is known to lie in this node's shared memory."""
+        manifest = super().fetch(version, member, worker, deadline)
         for part in manifest.parts:
             self._check_node(part, _node_id())
+        return manifest
 
     @staticmethod
     def _check_node(part: Part, here: str | None) -> None:

@@ -1,6 +1,8 @@
 """A versioned weight store shaped like TorchStore: ``put_state_dict`` (one process holds the
 whole model) or ``put_shards`` (each trainer rank puts its own rows) in the trainer,
-``get_state_dict`` (into preallocated tensors) or ``iter_state_dict`` (into vLLM) in receivers.
+``get_state_dict`` (into preallocated tensors) or ``fetch`` + ``iter_manifest`` (into vLLM) in
+receivers. Every transport is driven the same way (``base.Transport``); how the bytes travel is
+the transport's business.
 
 Keys are ``policy_ver_<version>.<param>``; at most ``keep_versions`` versions stay alive. Every wait
 has the spec's timeout and a failure names the sender and the version.
@@ -11,32 +13,28 @@ from __future__ import annotations
 import time
 from typing import Iterator, Mapping
 
-import ray
 import torch
 
 from ray_forge.weights.base import Manifest, Part, StoreSpec, Transport, WeightSyncError, version_key
-from ray_forge.weights.controller import ControllerActor
+from ray_forge.weights.controller import ControllerClient
 from ray_forge.weights.layout import Bucket, Piece, assemble, plan_pieces, whole_pieces
 
 
-CONTROLLER_TIMEOUT_S = 60.0
-
-
-def make_transport(spec: StoreSpec) -> Transport:
+def make_transport(spec: StoreSpec, client: ControllerClient) -> Transport:
     if spec.transport == "shm":
         from ray_forge.weights.shm import SharedMemoryTransport
-        return SharedMemoryTransport(spec)
+        return SharedMemoryTransport(spec, client)
     if spec.transport == "object_store":
         from ray_forge.weights.object_store import ObjectStoreTransport
-        return ObjectStoreTransport(spec)
+        return ObjectStoreTransport(spec, client)
     if spec.transport == "nixl":
         from ray_forge.weights.nixl import NixlTransport
-        return NixlTransport(spec)
+        return NixlTransport(spec, client)
     if spec.transport == "torchstore":
         from ray_forge.weights.torchstore_transport import TorchStoreTransport
-        return TorchStoreTransport(spec)
+        return TorchStoreTransport(spec, client)
     from ray_forge.weights.collective import CollectiveTransport
-    return CollectiveTransport(spec)
+    return CollectiveTransport(spec, client)
 
 
 class WeightStore:
@@ -44,38 +42,20 @@ class WeightStore:
 
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
-        self.transport = make_transport(spec)
-        self._controller = None
+        self.client = ControllerClient(spec)
+        self.transport = make_transport(spec, self.client)
 
     @classmethod
     def create(cls, spec: StoreSpec) -> "WeightStore":
         """Start the store's controller (owned by the calling process, normally the driver)."""
         store = cls(spec)
-        # Keep this handle: Ray stops an actor once its creator's handles are gone.
-        store._controller = ControllerActor.options(name=spec.controller_name, get_if_exists=True).remote()
-        store._ask(store._controller.versions.remote(), "start-up", timeout_s=max(60.0, spec.timeout_s))
+        store.client.start()
         return store
 
     @property
     def controller(self):
-        if self._controller is None:
-            try:
-                self._controller = ray.get_actor(self.spec.controller_name)
-            except ValueError:
-                raise WeightSyncError(f"weight store {self.spec.name!r} has no controller; "
-                                      "create it with WeightStore.create(spec) first") from None
-        return self._controller
-
-    def _ask(self, ref, what: str, timeout_s: float | None = None):
-        """The controller's answer. Its bookkeeping calls get at least CONTROLLER_TIMEOUT_S whatever
-        the transfer timeout: the first ref of a direct transport (nixl) that reaches it starts Ray's
-        transport manager there, which takes seconds."""
-        try:
-            return ray.get(ref, timeout=timeout_s or max(self.spec.timeout_s, CONTROLLER_TIMEOUT_S))
-        except ray.exceptions.GetTimeoutError:
-            raise WeightSyncError(f"weight store controller did not answer {what} in time") from None
-        except ray.exceptions.RayActorError as err:
-            raise WeightSyncError(f"weight store controller died during {what}") from err
+        """The controller actor's handle."""
+        return self.client.handle
 
     # -- senders -----------------------------------------------------------------------------
     def put_state_dict(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> Part:
@@ -84,65 +64,45 @@ class WeightStore:
 
     def put_shards(self, version: int, pieces: list[Piece], rank: int = 0, num_ranks: int = 1,
                    sender: str | None = None) -> Part:
-        """Write this rank's pieces as its part of ``version``. The version is published once all
-        ``num_ranks`` parts are in; the put itself never waits for the other ranks or a receiver,
-        except over a push transport, which streams into the receivers before it returns."""
+        """Put this rank's pieces as its part of ``version``. The version is published once all
+        ``num_ranks`` parts are in. The put never waits for the other ranks; over a transport that
+        pushes into live engines it returns once they have received it."""
         sender = sender or self.spec.sender_name(rank, num_ranks)
         buckets = plan_pieces(pieces, self.spec.bucket_bytes, self.spec.dtype)
         tensors = {p.key: p.tensor for p in pieces if p.tensor is not None}
-        if self.spec.pushes:
-            # Receivers learn every rank's layout from the manifest, then the bytes stream in.
-            part = Part(version, sender, self.spec.transport, tuple(buckets), None, rank)
-            self.publish_part(part, num_ranks)
-            self.transport.push(part, tensors, self)
-            return part
-        location = self.transport.write(version, rank, buckets, tensors)
-        part = Part(version, sender, self.spec.transport, tuple(buckets), location, rank)
-        self.publish_part(part, num_ranks)
-        return part
+        part = Part(version, sender, self.spec.transport, tuple(buckets), None, rank)
+        return self.transport.put(part, tensors, lambda ready: self._publish(ready, num_ranks))
 
-    def publish_part(self, part: Part, num_ranks: int) -> None:
-        evicted = self._ask(self.controller.put_part.remote(part, num_ranks, self.spec.keep_versions, self.spec),
-                            f"put_part({part.version}, rank {part.rank})")
-        for old in evicted:
+    def _publish(self, part: Part, num_ranks: int) -> None:
+        for old in self.client.put_part(part, num_ranks):
             self.transport.free(old)
 
     # -- receivers ---------------------------------------------------------------------------
     def manifest(self, version: int, deadline: float | None = None) -> Manifest:
-        deadline = deadline or time.monotonic() + self.spec.timeout_s
-        wait_s = max(0.0, deadline - time.monotonic())
-        found = self._ask(self.controller.manifest.remote(version, wait_s), f"manifest({version})", wait_s + 10)
-        if found is None:
-            raise WeightSyncError(f"weights version {version} from {self._senders()} are not available: "
-                                  f"{self._why_missing(version)}; live versions {self.versions()}")
-        return found
+        """The version's manifest, once published (waiting up to the spec's timeout)."""
+        return self.client.manifest(version, deadline or time.monotonic() + self.spec.timeout_s)
 
-    def _senders(self) -> str:
-        return ", ".join(self.spec.senders) or self.spec.sender
-
-    def _why_missing(self, version: int) -> str:
-        live = self.versions()
-        missing = self._ask(self.controller.missing_parts.remote(version), f"missing_parts({version})")
-        if (live and version < live[0]) or missing is None:
-            return "it was evicted"
-        num_ranks = max(len(self.spec.senders), 1 + max(missing, default=0))
-        names = ", ".join(self.spec.sender_name(r, num_ranks) for r in missing)
-        did = "did not publish it" if len(missing) == num_ranks else "did not put its part"
-        return f"{names} {did} within {self.spec.timeout_s:.0f}s (is the sender alive?)"
+    def fetch(self, version: int, member: str = "", worker: int = 0, deadline: float | None = None) -> Manifest | None:
+        """Wait for ``version`` and bring its bytes into this process where the transport holds
+        them between fetching and loading; its manifest, for :meth:`iter_manifest`. ``member``
+        names the engine (and ``worker`` its worker) for a transport that streams into named
+        engines; None when the version does not go to it."""
+        return self.transport.fetch(version, member, worker, deadline or time.monotonic() + self.spec.timeout_s)
 
     def iter_state_dict(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, whole tensor) pairs, one group of buckets at a time; each tensor is valid until the
         next one is requested, so a consumer that copies as it goes (vLLM's loader) holds about one
         bucket beyond its model, however many ranks the version came from."""
-        if self.spec.pushes:
-            raise WeightSyncError(f"weights over {self.spec.transport} are pushed into the engines, not stored: "
-                                  f"version {version} cannot be read back")
         deadline = time.monotonic() + self.spec.timeout_s
-        yield from self.iter_manifest(self.manifest(version, deadline), deadline)
+        manifest = self.fetch(version, deadline=deadline)
+        if manifest is None:
+            raise WeightSyncError(f"weights version {version} went over {self.spec.transport} to named engines only: "
+                                  "this process cannot read it")
+        yield from self.iter_manifest(manifest, deadline)
 
     def iter_manifest(self, manifest: Manifest, deadline: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """``iter_state_dict`` of a manifest already in hand: asks the controller nothing, so it
-        runs where Ray is not (a tensor-parallel engine's worker processes, over shm)."""
+        """``iter_state_dict`` of a version already fetched: asks the controller nothing, so it runs
+        where Ray is not (a tensor-parallel engine's worker processes, over shm)."""
         deadline = deadline or time.monotonic() + self.spec.timeout_s
         what = f"weights version {manifest.version} from {manifest.sender}"
         for name, tensor in assemble(self._read_in_group_order(manifest, deadline), what):
@@ -174,20 +134,20 @@ class WeightStore:
 
     # -- bookkeeping -------------------------------------------------------------------------
     def versions(self) -> list[int]:
-        return self._ask(self.controller.versions.remote(), "versions()")
+        return self.client.versions()
 
     def keys(self, version: int) -> list[str]:
         return [f"{version_key(version)}.{name}" for name in self.manifest(version).names()]
 
     def delete(self, version: int) -> None:
-        manifest = self._ask(self.controller.delete.remote(version), f"delete({version})")
+        manifest = self.client.delete(version)
         if manifest is not None:
             for part in manifest.parts:
                 self.transport.free(part)
 
     def close(self) -> None:
         """Release what this client holds in its own process (shared-memory folders it wrote on
-        this node, push groups); the versions' records stay with the controller."""
+        this node, registered buffers, push groups); the versions' records stay with the controller."""
         self.transport.destroy()
 
     def destroy(self) -> None:
@@ -195,4 +155,4 @@ class WeightStore:
         for version in self.versions():
             self.delete(version)
         self.close()
-        ray.kill(self.controller, no_restart=True)
+        self.client.kill()

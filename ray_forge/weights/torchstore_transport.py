@@ -14,8 +14,10 @@ from typing import Iterator, Mapping
 
 import torch
 
-from ray_forge.weights.base import Part, StoreSpec, Transport, TransportUnavailable, version_key
+from ray_forge.weights.base import Part, StoreSpec, TransportUnavailable, version_key
+from ray_forge.weights.controller import ControllerClient
 from ray_forge.weights.layout import Bucket, pack_into
+from ray_forge.weights.stored import StoredTransport
 
 
 def import_torchstore():
@@ -29,9 +31,9 @@ def import_torchstore():
     return torchstore
 
 
-class TorchStoreTransport(Transport):
-    def __init__(self, spec: StoreSpec) -> None:
-        self.spec = spec
+class TorchStoreTransport(StoredTransport):
+    def __init__(self, spec: StoreSpec, client: ControllerClient) -> None:
+        super().__init__(spec, client)
         self.ts = import_torchstore()
 
     def _key(self, version: int, rank: int, index: int) -> str:

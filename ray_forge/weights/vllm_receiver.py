@@ -1,11 +1,11 @@
-"""The store's vLLM-side hook: a worker extension, so each vLLM worker takes weights itself.
+"""The engine's side of a weight sync: the policy actor fetches a version, each vLLM worker loads it.
 
-vLLM mixes this class into its workers (``worker_extension_cls``); the policy actor reaches it
-with ``collective_rpc(...)``. Pull transports: ``pull_weights`` streams the store's buckets
-straight into ``reload_weights``, which copies them into the engine's own (possibly repacked)
-weights. The collective (push) transport takes two calls, so that an engine is never left half
-updated: ``receive_weights`` receives every bucket into staging on every worker, and only when
-all of them have everything does ``load_received`` load it.
+``EngineWeights`` (in the policy actor) asks the store for a version off the engine's step loop,
+so generation goes on while the version is published and, where the transport can hold the bytes
+in this process (NIXL's registered buffers, a push's staging), while they travel. Then, between
+two engine steps, the worker extension below (vLLM mixes it into its workers:
+``worker_extension_cls``) streams the version into ``reload_weights``, which copies it into the
+engine's own (possibly repacked) weights. The actor never asks how the bytes travel.
 """
 
 from __future__ import annotations
@@ -15,78 +15,84 @@ from typing import Iterable
 
 import torch
 
-from ray_forge.weights.base import Manifest, StoreSpec, WeightSyncError
+from ray_forge.weights.base import Manifest, MixedWeights, StoreSpec, controller_name
+from ray_forge.weights.layout import tensors_digest
 from ray_forge.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
 
 def engine_name() -> str:
-    """The calling policy actor's name (``policy-<i>``): a collective push gives each named engine its ranks."""
+    """The calling policy actor's name: a transport that streams into named engines finds it by it."""
     import ray
 
     name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
     return name or ""
 
 
-def receive_pushed(llm, spec: StoreSpec, version: int, current_version: int) -> bool:
-    """In the policy actor: every worker of ``llm`` receives ``version`` into staging, then, only
-    once all have it, loads it. False when this engine is not part of that push (it restarted
-    meanwhile and takes part in the next). A failed transfer raises WeightSyncError and leaves
-    the engine on ``current_version``."""
-    name = engine_name()
-    try:
-        received = llm.collective_rpc("receive_weights", args=(spec, version, name))
-    except WeightSyncError as err:
-        raise WeightSyncError(f"{name} keeps weights version {current_version}: {err}") from None
-    if any(r is None for r in received):
-        log.warning("%s was not part of the push of version %d; it keeps version %d until the next push",
-                    name, version, current_version)
-        return False
-    llm.collective_rpc("load_received", args=(version,))
-    return True
+class EngineWeights:
+    """The policy actor's client of the weight store: one per engine."""
+
+    def __init__(self, llm, member: str) -> None:
+        self.llm, self.member = llm, member
+        self._store: WeightStore | None = None
+
+    def store(self, spec: StoreSpec) -> WeightStore:
+        if self._store is None or self._store.spec != spec:  # keep it: it caches buffers and groups
+            self._store = WeightStore(spec)
+        return self._store
+
+    def fetch(self, spec: StoreSpec, version: int) -> Manifest | None:
+        """Off the step loop: wait for ``version`` and bring it as close to the engine as the
+        transport allows. None when it does not come to this engine (a push it was not part of:
+        it keeps its weights and takes part in the next)."""
+        return self.store(spec).fetch(version, member=self.member)
+
+    def load(self, spec: StoreSpec, manifest: Manifest) -> int:
+        """On the step loop: every worker loads the fetched version; returns the tensors loaded.
+        A load that fails has begun to overwrite the engine's weights: MixedWeights."""
+        try:
+            return self.llm.collective_rpc("load_weights", args=(spec, manifest))[0]
+        except Exception as err:
+            raise MixedWeights(f"loading weights version {manifest.version} from {manifest.sender} into "
+                               f"{self.member or 'the engine'} failed part-way: {type(err).__name__}: {err}") from err
+
+    @staticmethod
+    def latest(store_name: str, timeout_s: float) -> tuple[StoreSpec, int] | None:
+        """The store's spec and newest version (for an engine that restarted and must catch up);
+        None before any version was published."""
+        import ray
+
+        try:
+            handle = ray.get_actor(controller_name(store_name))
+        except ValueError:
+            return None
+        return ray.get(handle.latest.remote(), timeout=timeout_s)
 
 
 class WeightReceiverExtension:
     def _rf_store_for(self, spec: StoreSpec) -> WeightStore:
         store = getattr(self, "_rf_store", None)
-        if store is None or store.spec != spec:  # keep the client: it caches the controller's handle (and groups)
+        if store is None or store.spec != spec:  # keep the client: it caches the controller's handle
             store = self._rf_store = WeightStore(spec)
         return store
 
-    def pull_weights(self, spec: StoreSpec, manifest: Manifest) -> int:
-        """Load the version of ``manifest`` in place; returns how many tensors were loaded. The
-        policy actor asks the controller for the manifest: a tensor-parallel engine's workers are
-        plain processes, without Ray."""
-        return self._rf_reload(self._rf_store_for(spec).iter_manifest(manifest))
-
-    def receive_weights(self, spec: StoreSpec, version: int, engine: str) -> int | None:
-        """Collective transport, step 1: receive every bucket of ``version`` into staging (the
-        engine keeps serving its current weights). Returns the bytes received, or None when this
-        engine is not part of that push (it was restarting when the push began)."""
-        if engine not in spec.receivers:
-            raise WeightSyncError(f"engine {engine!r} is not one of the push's receivers {list(spec.receivers)}")
-        store = self._rf_store_for(spec)
-        self._rf_staged = None  # the staging buffers are about to be overwritten
-        self._rf_staged = store.transport.receive(store, version, engine, worker=getattr(self, "rank", 0))
-        return None if self._rf_staged is None else self._rf_staged.manifest.nbytes
-
-    def load_received(self, version: int) -> int:
-        """Collective transport, step 2: load the staged ``version`` in place; returns how many
-        tensors were loaded."""
-        staged = getattr(self, "_rf_staged", None)
-        if staged is None or staged.manifest.version != version:
-            raise WeightSyncError(f"weights version {version} was not received into staging on this worker")
-        return self._rf_reload(staged)
+    def load_weights(self, spec: StoreSpec, manifest: Manifest) -> int:
+        """Load the fetched version of ``manifest`` in place; returns how many tensors were loaded.
+        The policy actor fetched it and hands over the manifest: a tensor-parallel engine's
+        workers are plain processes, without Ray."""
+        loaded = self._rf_reload(self._rf_store_for(spec).iter_manifest(manifest))
+        self._rf_loaded = manifest
+        return loaded
 
     def weights_digest(self) -> str | None:
-        """Digest of the last version received over the collective transport, as it was staged
-        and handed to ``reload_weights`` (names, dtypes, shapes and bytes of the whole tensors);
-        None before any. What the engine computes with it is checked by comparing logits."""
-        from ray_forge.weights.collective import tensors_digest
-
-        staged = getattr(self, "_rf_staged", None)
-        return None if staged is None else tensors_digest(staged)
+        """Digest (names, dtypes, shapes and bytes of the whole tensors) of the last version this
+        worker loaded, read again from where the transport keeps it; None before any. What the
+        engine computes with it is checked by comparing logits."""
+        manifest = getattr(self, "_rf_loaded", None)
+        if manifest is None:
+            return None
+        return tensors_digest(self._rf_store.iter_manifest(manifest))
 
     def _rf_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         loaded = 0
