@@ -5,7 +5,10 @@ TorchTitan by ``ray_forge.models.decoder``, sharded with FSDP2 on a 1-rank group
 cpu; bf16 compute, float32 masters; built on the meta device as a trainer rank builds it), then each section reports its figures, status and error:
 train (tokens/s, MFU = 6 * N * tokens/s over 989e12, the H200's dense bf16 peak), export (to HF,
 logits against transformers), store (the whole model put from device memory into host buckets and
-got back, with ``ray_forge/weights/layout.py``, in GB/s next to one plain copy of the same bytes).
+got back, with ``ray_forge/weights/layout.py``, in GB/s next to one plain copy of the same bytes),
+nixl (the model's buckets read from one registered device arena into another over NIXL, as
+``weights.transport=nixl`` moves them, next to a plain device copy; reported as not available
+where NIXL does not import, without failing the check).
 Progress goes to stderr; the last line on stdout is a JSON object. With bench/gpu_wheels.txt in .whl/:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
@@ -39,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("gpu_check")
 
 H200_BF16_DENSE_FLOPS = 989e12
+SECTIONS = ("setup", "train", "export", "store", "nixl")
 SIZES = {  # HF config.json shape, run defaults
     "1p7b": (dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                   intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960),
@@ -242,6 +246,76 @@ def section_store(run: Run) -> dict:
     return report
 
 
+def section_nixl(run: Run) -> dict:
+    """The model's buckets read over NIXL, as ``weights.transport=nixl`` moves them, on the device:
+    a sender agent registers one arena holding every bucket (as a trainer rank does), a receiver
+    agent registers one of its own and reads every bucket into it in one transfer (as an engine
+    does), against one plain device copy of the same bytes. NIXL's own API, two agents in this
+    process: Ray is too large to carry here, and RDT adds only the exchange of metadata."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except Exception as err:  # the check still reports the other sections
+        return {"available": False, "why": f"nixl does not import: {type(err).__name__}: {err}"[:500]}
+    layout, device = load_layout(), run.args.device
+    weights = load_file_weights(run)
+    buckets = layout.plan_buckets(weights, int(run.args.bucket_mb * 2**20))
+    nbytes = sum(b.nbytes for b in buckets)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    offsets, at = [], 0
+    for bucket in buckets:
+        offsets.append(at)
+        layout.pack_into(bucket, weights, src[at:at + bucket.nbytes])
+        at += bucket.nbytes
+    config = nixl_agent_config(backends=["UCX"])
+    sender, receiver = nixl_agent("gpu-check-sender", config), nixl_agent("gpu-check-receiver", config)
+    sender.register_memory(src)
+    receiver.register_memory(dst)
+    receiver.add_remote_agent(sender.get_agent_metadata())
+    spans = [(off, b.nbytes) for off, b in zip(offsets, buckets)]
+    kind = "cuda" if device == "cuda" else "cpu"
+    gpu = torch.cuda.current_device() if device == "cuda" else 0
+    remote = sender.get_xfer_descs([(src.data_ptr() + off, n, gpu) for off, n in spans], mem_type=kind)
+    local = receiver.get_xfer_descs([(dst.data_ptr() + off, n, gpu) for off, n in spans], mem_type=kind)
+
+    def read() -> None:
+        handle = receiver.initialize_xfer("READ", local, remote, "gpu-check-sender", b"gpu_check")
+        state = receiver.transfer(handle)
+        while state not in ("DONE", "ERR"):
+            state = receiver.check_xfer_state(handle)
+        receiver.release_xfer_handle(handle)
+        if state == "ERR":
+            raise RuntimeError("the NIXL transfer ended in its error state")
+
+    def best_s(fn) -> float:
+        times = []
+        for _ in range(run.args.reps + 1):  # the first also connects the two agents
+            run.sync()
+            begin = time.perf_counter()
+            fn()
+            run.sync()
+            times.append(time.perf_counter() - begin)
+        return min(times[1:])
+
+    read_s = best_s(read)
+    if not torch.equal(src, dst):
+        raise AssertionError("the buckets read over NIXL differ from those written")
+    copy_s = best_s(lambda: dst.copy_(src))
+    report = {"available": True, "backend": "UCX", "gb": nbytes / 1e9, "num_buckets": len(buckets),
+              "read_gbps": nbytes / read_s / 1e9, "copy_gbps": nbytes / copy_s / 1e9, "read_vs_copy": copy_s / read_s,
+              "ucx_tls": os.environ.get("UCX_TLS", "UCX's choice")}
+    log.info("nixl: %s", {k: round(v, 3) if isinstance(v, float) else v for k, v in report.items()})
+    return report
+
+
+def load_file_weights(run: Run) -> dict[str, torch.Tensor]:
+    """The model's HF tensors on the run's device (the folder setup wrote)."""
+    from safetensors.torch import load_file
+
+    return {k: v.to(run.dtype) if v.is_floating_point() else v
+            for k, v in load_file(next(run.model_dir.glob("*.safetensors")), device=run.args.device).items()}
+
+
 def run_section(report: dict, name: str, fn, run: Run, ready: bool = True) -> None:
     """Run one section into ``report[name]``; a failure is recorded, never raised."""
     if not ready:
@@ -295,8 +369,9 @@ def main(argv: list[str] | None = None) -> dict:
         run_section(report, "train", section_train, run, ready=run.model is not None)
         run_section(report, "export", section_export, run, ready=run.model is not None)
         run_section(report, "store", section_store, run, ready=run.model_dir is not None)
+        run_section(report, "nixl", section_nixl, run, ready=run.model_dir is not None)
     finally:
-        report["ok"] = all(report.get(s, {}).get("status") == "ok" for s in ("setup", "train", "export", "store")) \
+        report["ok"] = all(report.get(s, {}).get("status") == "ok" for s in SECTIONS) \
             and bool(report.get("export", {}).get("passed"))
         report["total_s"] = round(time.perf_counter() - start, 1)
         dist.destroy_process_group()

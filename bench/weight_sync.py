@@ -7,7 +7,12 @@ Everything is measured in one run, on a 2-node Ray cluster started on this machi
 - ``naive``: ``ray.put`` of the torch state dict, ``ray.get`` + ``copy_`` in each receiver;
 - ``shm``: the weight store over shared memory (receivers on the trainer's node);
 - ``object_store``: the weight store over numpy buckets in Ray's object store;
-- naive and object_store again with the receivers on the other node.
+- ``nixl``: the weight store over Ray Direct Transport and NIXL (each receiver reads the
+  trainer's registered buckets into registered buffers of its own, then copies them into its
+  tensors), with UCX's choice of transports (the two nodes share this machine's kernel, so UCX
+  may take cross-memory attach across them), and again across nodes with ``UCX_TLS=tcp``, the
+  path two machines without RDMA NICs would take; each reports the UCX transports it read over;
+- naive, object_store and nixl again with the receivers on the other node.
 
 Per receiver, bandwidth is model bytes over the seconds from calling ``get`` on a published
 version to having it in the receiver's preallocated tensors; ``sync`` is bytes over the whole
@@ -83,6 +88,13 @@ def trim_heap() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def store_for(actor, spec: StoreSpec) -> WeightStore:
+    """One client per store and process, as the trainer and the engines keep theirs (a transport's
+    buffers are allocated, and registered, once)."""
+    stores = actor.__dict__.setdefault("stores", {})
+    return stores.setdefault(spec, WeightStore(spec))
+
+
 @ray.remote(num_cpus=0)
 class Trainer:
     def __init__(self, layout: dict) -> None:
@@ -91,7 +103,7 @@ class Trainer:
 
     def put_store(self, spec: StoreSpec, version: int) -> float:
         start = time.monotonic()
-        WeightStore(spec).put_state_dict(version, self.state)
+        store_for(self, spec).put_state_dict(version, self.state)
         return time.monotonic() - start
 
     def digest(self, dtype: str = "") -> str:
@@ -132,7 +144,13 @@ class Receiver:
                 "threads": torch.get_num_threads()}
 
     def get_store(self, spec: StoreSpec, version: int) -> dict:
-        return self._measured(lambda: WeightStore(spec).get_state_dict(version, into=self.into))
+        return self._measured(lambda: store_for(self, spec).get_state_dict(version, into=self.into))
+
+    def ucx_transports(self) -> list[str]:
+        """What UCX read remote memory over in this process (NIXL only)."""
+        from ray_forge.weights.nixl import ucx_transports
+
+        return ucx_transports()
 
     def tcp_listen(self) -> tuple[str, int]:
         self.server = socket.create_server((ray.util.get_node_ip_address(), 0))
@@ -163,13 +181,15 @@ class Receiver:
         return digest(self.into.values())
 
 
-def place(actor_cls, node_ip: str, *args):
-    return actor_cls.options(resources={f"node:{node_ip}": 0.01}).remote(*args)
+def place(actor_cls, node_ip: str, *args, env: dict | None = None):
+    options = {"runtime_env": {"env_vars": env}} if env else {}
+    return actor_cls.options(resources={f"node:{node_ip}": 0.01}, **options).remote(*args)
 
 
-def run_rounds(name: str, trainer, receivers, put, get, nbytes: int, reps: int, dtype: str = "") -> dict:
+def run_rounds(name: str, trainer, receivers, put, get, nbytes: int, reps: int, dtype: str = "",
+               ucx: bool = False) -> dict:
     """One warm-up round, then ``reps`` measured rounds; medians. Checks every receiver ended with
-    exactly the trainer's bytes, then stops the receivers."""
+    exactly the trainer's bytes (``ucx``: asks what UCX read over), then stops the receivers."""
     rounds = []
     for rep in range(reps + 1):
         start = time.monotonic()
@@ -180,6 +200,7 @@ def run_rounds(name: str, trainer, receivers, put, get, nbytes: int, reps: int, 
             rounds.append((put_result if isinstance(put_result, float) else put_result[1], got, total))
     want = ray.get(trainer.digest.remote(dtype), timeout=600)
     exact = all(d == want for d in ray.get([r.digest.remote() for r in receivers], timeout=600))
+    transports = sorted({t for r in receivers for t in ray.get(r.ucx_transports.remote(), timeout=60)}) if ucx else None
     for actor in receivers:
         ray.kill(actor)
     per_receiver = [statistics.median(nbytes / g[i]["seconds"] for _, g, _ in rounds) / GB
@@ -197,6 +218,8 @@ def run_rounds(name: str, trainer, receivers, put, get, nbytes: int, reps: int, 
         "shmem_after_mb": [round(rounds[-1][1][i]["shmem_after_mb"]) for i in range(len(receivers))],
         "base_rss_mb": [round(rounds[0][1][i]["base_rss_mb"]) for i in range(len(receivers))],
     }
+    if transports is not None:
+        result["ucx_transports"] = transports
     print(f"{name:>28}: {json.dumps(result)}", flush=True)
     return result
 
@@ -208,7 +231,7 @@ def store_rounds(name, trainer, receivers, transport, nbytes, reps, bucket_bytes
         return run_rounds(name, trainer, receivers,
                           put=lambda v: trainer.put_store.remote(store.spec, v),
                           get=lambda r, v, _: r.get_store.remote(store.spec, v), nbytes=nbytes, reps=reps,
-                          dtype=dtype)
+                          dtype=dtype, ucx=transport == "nixl")
     finally:
         store.destroy()
 
@@ -243,11 +266,21 @@ def main() -> dict:
                         runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
         trainer = place(Trainer, HEAD, layout)
 
-        def fresh(node_ip: str) -> list:
+        def fresh(node_ip: str, env: dict | None = None) -> list:
             """New receiver processes for every case, so no case inherits another's memory."""
-            actors = [place(Receiver, node_ip, layout) for _ in range(2)]
+            actors = [place(Receiver, node_ip, layout, env=env) for _ in range(2)]
             ray.get([a.checksum.remote() for a in actors], timeout=600)
             return actors
+
+        def nixl_over_tcp() -> dict:
+            """Sender and receivers limited to UCX's tcp transport: what two machines without
+            RDMA NICs would use (the receivers ask for the bytes; the sender serves them)."""
+            tcp_trainer = place(Trainer, HEAD, layout, env={"UCX_TLS": "tcp"})
+            try:
+                return store_rounds("nixl, across nodes, UCX tcp", tcp_trainer, fresh(OTHER, {"UCX_TLS": "tcp"}),
+                                    "nixl", nbytes, args.reps, bucket_bytes)
+            finally:
+                ray.kill(tcp_trainer)
 
         probe = fresh(HEAD)[0]
 
@@ -277,6 +310,11 @@ def main() -> dict:
             "naive_cross_node": lambda: naive_rounds("naive, across nodes", trainer, fresh(OTHER), nbytes, args.reps),
             "object_store_cross_node": lambda: store_rounds("object_store, across nodes", trainer, fresh(OTHER),
                                                             "object_store", nbytes, args.reps, bucket_bytes),
+            "nixl_same_node": lambda: store_rounds("nixl, same node", trainer, fresh(HEAD), "nixl", nbytes,
+                                                   args.reps, bucket_bytes),
+            "nixl_cross_node": lambda: store_rounds("nixl, across nodes", trainer, fresh(OTHER), "nixl", nbytes,
+                                                    args.reps, bucket_bytes),
+            "nixl_cross_node_tcp": nixl_over_tcp,
         }
         results = {name: case() for name, case in cases.items() if not args.only or name in args.only}
         memcpy = max(memcpy, best_memcpy())  # again at the end: the machine is shared and noisy
@@ -310,6 +348,8 @@ def summarize(results: dict, memcpy: float, tcp_ceiling: float, nbytes: int, buc
                                                      naive_near["receiver_gbps_min"]),
                      "object_store_cross_node": ratio(cross["receiver_gbps_min"], naive_far["receiver_gbps_min"])},
         "sync_vs_naive_cross_node": ratio(cross["sync_gbps"], naive_far["sync_gbps"]),
+        "vs_tcp_stream": {name: ratio(results[name]["receiver_gbps_min"], tcp_ceiling)
+                          for name in ("object_store_cross_node", "nixl_cross_node", "nixl_cross_node_tcp")},
         # A receiver holds the model; the sync may add one bucket, with 20% slack on the sum.
         "rss_bound_mb": round(rss_bound_mb),
         "model_plus_extra_mb": {name: round(nbytes / 2**20 + max(r["extra_rss_mb"])) for name, r in results.items()},
@@ -321,6 +361,13 @@ def summarize(results: dict, memcpy: float, tcp_ceiling: float, nbytes: int, buc
         "store_rss_within_bound": all(summary["model_plus_extra_mb"][k] <= rss_bound_mb
                                       for k in ("shm", "shm_to_bf16", "object_store_same_node",
                                                 "object_store_cross_node")),
+        "nixl_same_node_ge_0.8_memcpy": summary["vs_memcpy"]["nixl_same_node"] >= 0.8,
+        "nixl_cross_node_ge_0.8_tcp_stream": summary["vs_tcp_stream"]["nixl_cross_node"] >= 0.8,
+        "nixl_over_tcp_ge_0.8_tcp_stream": summary["vs_tcp_stream"]["nixl_cross_node_tcp"] >= 0.8,
+        # A NIXL receiver keeps a registered copy of the version beside its tensors (an engine
+        # loads from it after the transfer): two models and a bucket, 20% slack.
+        "nixl_rss_within_bound": all(summary["model_plus_extra_mb"][k] <= 1.2 * (2 * nbytes + bucket_bytes) / 2**20
+                                     for k in ("nixl_same_node", "nixl_cross_node", "nixl_cross_node_tcp")),
     }
     print(json.dumps(summary))
     return summary
