@@ -73,6 +73,26 @@ def test_bad_specs_are_refused():
         StoreSpec(name="x", transport="shm", dtype="bfloat17")
 
 
+def test_nixl_agents_made_here_wait_instead_of_spinning():
+    """NIXL's Python API starts an agent's progress thread with no delay: it spins on a core.
+    The nixl transport makes the agents of its process wait between looks (they still wake on
+    UCX's events): an idle agent then takes a small share of one core."""
+    import os
+
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from ray_forge.weights.nixl import PROGRESS_DELAY_US, calm_progress_thread
+
+    calm_progress_thread()
+    agent = nixl_agent(f"calm-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=["UCX"]))
+    before = os.times()
+    time.sleep(2.0)
+    after = os.times()
+    cpu_s = (after.user - before.user) + (after.system - before.system)
+    assert PROGRESS_DELAY_US >= 1000 and cpu_s < 0.5, f"an idle NIXL agent took {cpu_s:.2f} s of CPU in 2 s"
+    del agent
+
+
 def test_unavailable_transports_say_what_is_missing():
     with pytest.raises(TransportUnavailable, match="torchstore"):
         WeightStore(spec_for("torchstore"))
@@ -80,14 +100,25 @@ def test_unavailable_transports_say_what_is_missing():
         spec_for("nccl")
 
 
-def test_auto_picks_shared_memory_only_when_every_rank_and_engine_share_a_node():
+def test_auto_is_shared_memory_on_one_node_and_nixl_across_nodes():
     from ray_forge.weights import resolve_transport
 
     assert resolve_transport("auto", ["a", "a"], ["a", "a"]) == "shm"
-    assert resolve_transport("auto", ["a", "b"], ["a"]) == "object_store"  # rank 1 writes its shards on b
-    assert resolve_transport("auto", ["a"], ["a", "b"]) == "object_store"
+    assert resolve_transport("auto", ["a", "b"], ["a"]) == "nixl"  # rank 1 writes its shards on b
+    assert resolve_transport("auto", ["a"], ["a", "b"]) == "nixl"
     assert resolve_transport("nccl", ["a"], ["a"]) == "collective"  # the old name
     assert resolve_transport("collective", ["a"], ["b"]) == "collective"
+    assert resolve_transport("object_store", ["a"], ["b"]) == "object_store"  # every one stays selectable
+
+
+def test_auto_across_nodes_takes_the_object_store_where_nixl_does_not_import(monkeypatch):
+    import sys
+
+    from ray_forge.weights import resolve_transport
+
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # what an install without NIXL looks like
+    assert resolve_transport("auto", ["a"], ["b"]) == "object_store"
+    assert resolve_transport("auto", ["a"], ["a"]) == "shm"
 
 
 # -- shards (no Ray) -----------------------------------------------------------------------------

@@ -15,11 +15,10 @@ its step loop: generation goes on during the transfer and pauses only for the co
 buffers into the engine. A transfer that fails (a dead sender: Ray reports its owner died) fails
 before the engine has loaded anything.
 
-The sender keeps ``keep_versions + 2`` arenas and writes into one again only once Ray says
-every ref to its last version is gone (``wait_tensor_freed``): the controller drops a
-version's refs when it evicts it, and a receiver drops its own when it has read them. Two sets
-beyond the live versions, because with several ranks an evicted part waits in the controller
-until its rank's next put collects it, and that put writes first.
+The sender keeps ``keep_versions + 1`` arenas (the live versions and the one being written: that
+many copies of its shard) and writes into one again only once Ray says every ref to its last
+version is gone (``wait_tensor_freed``): the controller drops a version's refs when it evicts it,
+and an engine drops its own when it has loaded the next version.
 
 Ray caches NIXL registrations by address: a buffer is deregistered before it is dropped, or a
 later buffer allocated at the same address would inherit a registration of the wrong size.
@@ -57,43 +56,94 @@ _LOCK = threading.Lock()
 
 _UCX_INFO_DIR: Path | None = None
 """Where UCX writes the protocols it selects for reads in this process (see ``watch_ucx``)."""
-_UCX_SAID: list[str] | None = None
+_UCX_SEEN: set[str] = set()
+_UCX_DIR_PREFIX = "ray_forge-ucx-"
+
+UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+"""Where UCX reads over TCP (no RDMA NICs), it emulates the read with messages of this size.
+Its 8 KiB default moved a 1 GB read at 0.5-0.8 GB/s between two local Ray nodes here; 1 MiB at
+1.2-3.4 GB/s (2026-12-03, this 2-core machine). A value the user set is kept."""
 
 
 def watch_ucx() -> None:
-    """Before this process's NIXL agent starts (UCX reads its settings then), ask UCX to write the
-    protocols it selects for remote reads, the way buckets travel, to a folder of this process,
-    unless the user set UCX_PROTO_INFO themselves. ``ucx_transports`` reads them back."""
+    """Before this process's NIXL agent starts (UCX reads its settings then): apply
+    ``UCX_DEFAULTS``, and ask UCX to write the protocols it selects for remote reads, the way
+    buckets travel, into a folder of this process (unless the user set UCX_PROTO_INFO
+    themselves; UCX prints to stdout where the folder is missing). ``note_ucx_transports`` reads
+    and removes its files after each fetch; the empty folder goes when the process exits."""
     global _UCX_INFO_DIR
-    if _UCX_INFO_DIR is None and "UCX_PROTO_INFO" not in os.environ:
-        _UCX_INFO_DIR = Path(tempfile.mkdtemp(prefix=f"ray_forge-ucx-{os.getpid()}-"))
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    # A process started by one that watched UCX (Ray's nodes, started by a driver) inherits its
+    # settings: those are not the user's, and this process needs a folder of its own.
+    inherited = Path(os.environ.get("UCX_PROTO_INFO_DIR", "")).name.startswith(_UCX_DIR_PREFIX)
+    if _UCX_INFO_DIR is None and ("UCX_PROTO_INFO" not in os.environ or inherited):
+        _UCX_INFO_DIR = Path(tempfile.mkdtemp(prefix=f"{_UCX_DIR_PREFIX}{os.getpid()}-"))
         atexit.register(shutil.rmtree, _UCX_INFO_DIR, ignore_errors=True)
         os.environ["UCX_PROTO_INFO"] = "*get*"
         os.environ["UCX_PROTO_INFO_DIR"] = str(_UCX_INFO_DIR)
 
 
-def ucx_transports() -> list[str]:
-    """The UCX transports selected in this process to read remote memory so far, e.g.
-    ``['cma/memory (intra-node)']`` or ``['rc_mlx5/mlx5_0:1 (inter-node)']``; empty when unknown."""
-    if _UCX_SAID is not None:
-        return _UCX_SAID
+def note_ucx_transports() -> None:
+    """After a fetch: read what UCX wrote about the reads it set up, log the transports not seen
+    before in this process, and remove the files (UCX writes them again for a new peer)."""
     if _UCX_INFO_DIR is None:
-        return []
+        return
     found = set()
-    for path in _UCX_INFO_DIR.glob("*_get_*.dot"):
-        where = "intra-node" if "_intra_node_" in path.name else "inter-node"
-        match = re.search(r'node0 \[label="[^"\\]*\\n([^"]+)"', path.read_text(errors="replace"))
-        if match:
-            found.add(f"{match.group(1)} ({where})")
-    return sorted(found)
+    for path in _UCX_INFO_DIR.glob("*.dot"):
+        if "_get_" in path.name:
+            where = "intra-node" if "_intra_node_" in path.name else "inter-node"
+            match = re.search(r'node0 \[label="[^"\\]*\\n([^"]+)"', path.read_text(errors="replace"))
+            if match:
+                found.add(f"{match.group(1)} ({where})")
+        path.unlink(missing_ok=True)
+    if new := found - _UCX_SEEN:
+        _UCX_SEEN.update(new)
+        log.info("weights over NIXL: UCX reads remote memory over %s", ", ".join(sorted(new)))
 
 
-def _say_ucx_transports() -> None:
-    """Log, once per process and once known, which UCX transports carried the buckets."""
-    global _UCX_SAID
-    if _UCX_SAID is None and (found := ucx_transports()):
-        _UCX_SAID = found
-        log.info("weights over NIXL: UCX reads remote memory over %s", ", ".join(found))
+def ucx_transports() -> list[str]:
+    """The UCX transports this process has read remote memory over, e.g.
+    ``['cma/memory (intra-node)']`` or ``['rc_mlx5/mlx5_0:1 (inter-node)']``; empty when unknown."""
+    note_ucx_transports()
+    return sorted(_UCX_SEEN)
+
+
+PROGRESS_DELAY_US = 10_000
+"""How long NIXL's progress thread waits between two looks at its UCX worker when nothing woke
+it. NIXL's Python API starts every agent (Ray's included) with no wait at all, and the thread
+then spins: an idle agent took a whole core (3.0 s of CPU in 3 s); in the ``make demo`` job the
+trainer's and both engines' threads took 25-45% of a core each and the job ran at half speed.
+The thread still wakes at once on UCX's event (the worker is armed): with 1 ms or 10 ms a 1 GB
+read between two local Ray nodes ran at 1.7-3.1 GB/s over tcp and 4.5-6.4 over cma, against
+1.2-3.4 and 3-4 spinning (2026-12-03, this 2-core machine), and an idle agent took 0.1 s of CPU
+in 3 s."""
+
+
+def calm_progress_thread() -> None:
+    """Make the NIXL agents this process creates from now on wait ``PROGRESS_DELAY_US`` in their
+    progress thread rather than spin. NIXL's Python API sets the delay to 0 on the agent's config
+    object as it builds it; a config type of ours keeps a larger value when it is asked for 0."""
+    import nixl._api as api
+
+    bindings = api.nixlBind
+    if getattr(bindings, "ray_forge_calm", False):
+        return
+
+    class CalmConfig(bindings.nixlAgentConfig):
+        def __setattr__(self, name, value):
+            if name == "pthrDelay":
+                value = max(int(value), PROGRESS_DELAY_US)
+            super().__setattr__(name, value)
+
+    class Bindings:
+        ray_forge_calm = True
+        nixlAgentConfig = CalmConfig
+
+        def __getattr__(self, name):
+            return getattr(bindings, name)
+
+    api.nixlBind = Bindings()
 
 
 def import_rdt():
@@ -103,6 +153,7 @@ def import_rdt():
         import nixl._api  # noqa: F401  the meta package's shim loads the cu12 build's bindings
         from ray.experimental import (deregister_nixl_memory, register_nixl_memory, set_target_for_ref,
                                       wait_tensor_freed)
+        calm_progress_thread()
     except Exception as err:
         raise TransportUnavailable(
             f"weights.transport=nixl needs NIXL's Python package, which failed to import "
@@ -153,12 +204,12 @@ class NixlTransport(StoredTransport):
 
     def _free_slot(self, version: int, buckets: list[Bucket], device: torch.device) -> _Slot:
         """The next arena, once no ref to what it last held is alive (a fresh one while fewer than
-        ``keep_versions + 2`` exist), laid out for ``buckets``."""
+        ``keep_versions + 1`` exist), laid out for ``buckets``."""
         arenas = _SENDING.setdefault(self.spec.name, _Arenas())
-        if len(arenas.slots) < self.spec.keep_versions + 2:
+        if len(arenas.slots) < self.spec.keep_versions + 1:
             arenas.slots.append(_Slot())
         slot = arenas.slots[arenas.next]
-        arenas.next = (arenas.next + 1) % (self.spec.keep_versions + 2)
+        arenas.next = (arenas.next + 1) % (self.spec.keep_versions + 1)
         deadline = time.monotonic() + self.spec.timeout_s
         for view in slot.views.values():  # the views that were put: Ray tracks the objects themselves
             try:
@@ -196,7 +247,7 @@ class NixlTransport(StoredTransport):
             if part.buckets:
                 self._receive(part, [buffers[(part.rank, b.index)] for b in part.buckets], deadline)
         staging.mark(version)
-        _say_ucx_transports()
+        note_ucx_transports()
         return manifest
 
     def _receive(self, part: Part, targets: list[torch.Tensor], deadline: float) -> None:
@@ -218,6 +269,13 @@ class NixlTransport(StoredTransport):
     def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """The buckets this process fetched (in the policy actor, before the engine's worker loads)."""
         yield from staging_for(self.spec.name, self._registered, self._release).read(part)
+
+    def holds(self, manifest: Manifest) -> bool:
+        staging = staging_for(self.spec.name, self._registered, self._release)
+        return all(staging.holds(part) for part in manifest.parts)
+
+    def route(self) -> str:
+        return f"nixl (UCX: {', '.join(ucx_transports()) or 'not reported yet'})"
 
     def destroy(self) -> None:
         for slot in _SENDING.pop(self.spec.name, _Arenas()).slots:
