@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Protocol
 
@@ -11,12 +10,13 @@ import torch
 from ray_forge.config import check_engine_transport
 from ray_forge.weights.layout import Bucket
 
-log = logging.getLogger(__name__)
-
 TRANSPORTS = ("shm", "object_store", "nixl", "collective", "torchstore")
 PUSH_TRANSPORTS = ("collective",)
 """Transports where the sender streams into live receivers: the trainer's put and the engines'
 loads must run at the same time, and nothing is stored for a later reader."""
+FREED_BY_WRITER = ("shm", "torchstore")
+"""Transports whose evicted parts only the rank that wrote them can free (files on its node, its
+keys). The others free a part when its last reference goes, which the controller drops at once."""
 
 
 class WeightSyncError(RuntimeError):
@@ -87,6 +87,10 @@ class StoreSpec:
     def pushes(self) -> bool:
         return self.transport in PUSH_TRANSPORTS
 
+    @property
+    def freed_by_writer(self) -> bool:
+        return self.transport in FREED_BY_WRITER
+
     def sender_name(self, rank: int, num_ranks: int = 1) -> str:
         if rank < len(self.senders):
             return self.senders[rank]
@@ -129,6 +133,12 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def without_locations(self) -> "Manifest":
+        """The layout alone: holding it keeps none of the version's bytes alive (object-store
+        buckets, a NIXL sender's arena)."""
+        return Manifest(self.version, tuple(Part(p.version, p.sender, p.transport, p.buckets, None, p.rank)
+                                            for p in self.parts))
 
     def names(self) -> list[str]:
         """Every tensor of the version once, in group order."""
@@ -178,19 +188,16 @@ class Transport(Protocol):
 
     def read(self, part: Part, deadline: float) -> Iterator[tuple[Bucket, torch.Tensor]]: ...
 
+    def holds(self, manifest: Manifest) -> bool:
+        """Whether this process holds the version's bytes (fetched here and not replaced since)."""
+        ...
+
+    def route(self) -> str:
+        """How the bytes reached this process, in words, for the run's log and summary."""
+        ...
+
     def free(self, part: Part) -> None: ...
 
     def destroy(self) -> None:
         """Release what this process holds (shared-memory folders it wrote, buffers, push groups)."""
         return None
-
-
-def resolve_transport(choice: str, trainer_nodes: list[str], policy_nodes: list[str]) -> str:
-    """'auto' is shared memory when every policy and every trainer rank share one node (each rank
-    writes its shards on its own node), else the object store. 'nccl' is the old name of 'collective'."""
-    if choice == "nccl":
-        log.warning("weights.transport=nccl is deprecated: it is now 'collective' (NCCL on GPUs, gloo on CPUs)")
-        return "collective"
-    if choice != "auto":
-        return choice
-    return "shm" if len(set(trainer_nodes) | set(policy_nodes)) == 1 else "object_store"

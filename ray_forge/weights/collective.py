@@ -194,6 +194,13 @@ class CollectiveTransport:
         """The buckets this process received (a push stores nothing anywhere else)."""
         yield from staging_for(self.spec.name, _allocate).read(part)
 
+    def holds(self, manifest: Manifest) -> bool:
+        staging = staging_for(self.spec.name, _allocate)
+        return all(staging.holds(part) for part in manifest.parts)
+
+    def route(self) -> str:
+        return f"collective ({'nccl' if self.device.type == 'cuda' else 'gloo'} broadcast)"
+
     # -- groups --------------------------------------------------------------------------------
     def _session(self, version: int, deadline: float, who: str) -> Session:
         session = self.controller.push_session(version, deadline)

@@ -66,8 +66,11 @@ class WeightStoreController:
             self._drop(version, tuple(self.partial.pop(version).values()))
 
     def _drop(self, version: int, parts: tuple[Part, ...]) -> None:
-        for part in parts:
-            self.to_free[part.rank].append(part)
+        if self.spec is None or self.spec.freed_by_writer:
+            for part in parts:
+                self.to_free[part.rank].append(part)
+        # Otherwise dropping the parts drops the last references to their bytes (object store
+        # buckets, a NIXL sender's arena), which frees them now, not at the rank's next put.
         event = self.published.pop(version, None)
         if event is not None:
             event.set()  # a waiter wakes, finds no manifest, and reports the version gone

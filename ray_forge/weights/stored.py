@@ -32,6 +32,12 @@ class StoredTransport:
     def fetch(self, version: int, member: str, worker: int, deadline: float) -> Manifest | None:
         return self.client.manifest(version, deadline)
 
+    def holds(self, manifest: Manifest) -> bool:
+        return False  # read from where they are stored, not held here
+
+    def route(self) -> str:
+        return self.spec.transport
+
     def free(self, part: Part) -> None:
         pass
 

@@ -57,6 +57,10 @@ class EngineWeights:
             raise MixedWeights(f"loading weights version {manifest.version} from {manifest.sender} into "
                                f"{self.member or 'the engine'} failed part-way: {type(err).__name__}: {err}") from err
 
+    def route(self) -> str:
+        """How versions reached this engine, in words (e.g. ``nixl (UCX: cma/memory (intra-node))``)."""
+        return "no version yet" if self._store is None else self._store.transport.route()
+
     @staticmethod
     def latest(store_name: str, timeout_s: float) -> tuple[StoreSpec, int] | None:
         """The store's spec and newest version (for an engine that restarted and must catch up);
@@ -82,15 +86,16 @@ class WeightReceiverExtension:
         The policy actor fetched it and hands over the manifest: a tensor-parallel engine's
         workers are plain processes, without Ray."""
         loaded = self._rf_reload(self._rf_store_for(spec).iter_manifest(manifest))
-        self._rf_loaded = manifest
+        self._rf_loaded = manifest.without_locations()  # keeps none of its bytes alive in the sender
         return loaded
 
     def weights_digest(self) -> str | None:
         """Digest (names, dtypes, shapes and bytes of the whole tensors) of the last version this
-        worker loaded, read again from where the transport keeps it; None before any. What the
-        engine computes with it is checked by comparing logits."""
+        worker loaded, read again from this process's copy (transports that fetch into the process:
+        nixl, collective); None before any load, or without such a copy. What the engine computes
+        with it is checked by comparing logits."""
         manifest = getattr(self, "_rf_loaded", None)
-        if manifest is None:
+        if manifest is None or not self._rf_store.transport.holds(manifest):
             return None
         return tensors_digest(self._rf_store.iter_manifest(manifest))
 
