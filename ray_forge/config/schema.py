@@ -278,12 +278,15 @@ class WeightSyncConfig:
     """How the trainer's weights reach the policy engines after every step."""
 
     transport: Literal["auto", "shm", "object_store", "nixl", "collective", "nccl", "torchstore"] = "auto"
-    """auto: shm when every policy and every trainer rank share one node, else object_store.
-    collective: each trainer rank broadcasts its own shards straight into every engine worker over
-    torch.distributed (gloo on CPU, NCCL on GPU); nccl is its deprecated old name. nixl: each trainer
-    rank publishes its shards over Ray Direct Transport, and every engine reads them with NIXL into
-    buffers of its own (RDMA where the NICs allow, UCX over TCP elsewhere). torchstore needs
-    the torchstore package and Monarch."""
+    """auto: shm when every policy and every trainer rank share one node, else object_store (the
+    fastest on one node and across two nodes in ``bench/weight_sync.py`` on a machine without RDMA
+    NICs; see the README). collective: each trainer rank broadcasts its own shards straight into
+    every engine worker over torch.distributed (gloo on CPU, NCCL on GPU); nccl is its deprecated
+    old name. nixl: each trainer rank publishes its shards over Ray Direct Transport, and every
+    engine reads them with NIXL into registered memory of its own while it keeps generating
+    (RDMA where the NICs allow, UCX over cross-memory attach or TCP elsewhere); a rank keeps
+    keep_versions + 1 registered copies of its shard, an engine one of the model. torchstore
+    needs the torchstore package and Monarch."""
     keep_versions: int = 2
     """Versions kept in the store; older ones are freed."""
     bucket_mb: int = 128

@@ -14,10 +14,9 @@ from ray_forge.weights.base import (
                                     SyncNotOpened,
                                     TransportUnavailable,
                                     WeightSyncError,
-                                    resolve_transport,
                                     version_key,
 )
-from ray_forge.weights.store import WeightStore
+from ray_forge.weights.store import WeightStore, resolve_transport
 
 __all__ = ["Manifest", "MixedWeights", "Part", "StoreSpec", "SyncNotOpened", "TransportUnavailable", "WeightStore",
            "WeightSyncError", "resolve_transport", "version_key"]
