@@ -439,9 +439,11 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, progress: Progress, b
         final, final_row = await evaluate(config, actors, fleet, final=True)
         await fleet.settle()
         versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
+        route = get(actors.policies[0].weights_route.remote(), timeout_s=60, what="policy-0.weights_route")
         pictures = env.pictures(run_dir, read_metrics(run_dir / "metrics.jsonl"), final)
         summary = dict(final, **final_row, run_dir=str(run_dir), steps=config.run.steps, policy_versions=versions,
-                       weight_transport=actors.store.spec.transport, pictures=[str(p) for p in pictures],
+                       weight_transport=actors.store.spec.transport, weight_route=route,
+                       pictures=[str(p) for p in pictures],
                        best_eval_return=progress.best.get("eval_return"), best_step=progress.best.get("step"))
         (run_dir / FINISHED_FILE).write_text(json.dumps(summary, indent=2))
         log.info("final policy: %s", run_dir / "final_policy")

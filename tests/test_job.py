@@ -88,7 +88,7 @@ def test_job_writes_metrics_and_a_final_policy(finished_run):
     assert any(r["kl"] > 0 for r in rows[1:])  # the reference actor ran and the policy moved away from it
     assert rows[-1]["version"] == 3
     # Every weight push went through the store, and both engines ended on the last version.
-    assert summary["weight_transport"] == "shm" and summary["policy_versions"] == [3, 3]
+    assert summary["weight_transport"] == summary["weight_route"] == "shm" and summary["policy_versions"] == [3, 3]
     assert all(0 < r["weight_publish_s"] + r["weight_load_s"] <= r["weight_sync_s"] for r in rows)
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         assert (run_dir / "final_policy" / name).is_file(), name
@@ -104,6 +104,22 @@ def test_after_every_sync_the_engine_computes_what_the_trainer_computes(finished
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["sync_greedy_agreement"] for r in rows] == [1.0, 1.0, 1.0]
     assert all(0 <= r["sync_logprob_max_diff"] <= 1e-4 for r in rows), [r["sync_logprob_max_diff"] for r in rows]
+
+
+def test_the_job_over_nixl_keeps_both_engines_equal_to_the_trainer(ray_cluster, tmp_path):
+    """The same short job with weights.transport=nixl (tied, 1 rank): both engines end on the last
+    version, equal to the trainer in all 360 states after every sync, and the summary says which
+    UCX transport carried the bytes into policy-0."""
+    from jobs import grpo
+
+    summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",
+                         *SHORT, "weights.transport=nixl", "grpo.kl_coef=0"])
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert summary["weight_transport"] == "nixl" and summary["policy_versions"] == [3, 3]
+    assert re.fullmatch(r"nixl \(UCX: \S+/\S+ \((intra|inter)-node\)\)", summary["weight_route"]), summary
+    assert [r["sync_greedy_agreement"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(0 <= r["sync_logprob_max_diff"] <= 1e-4 for r in rows), [r["sync_logprob_max_diff"] for r in rows]
+    assert all(r["weight_fetch_s"] > 0 and r["gen_paused_s"] >= r["weight_load_s"] > 0 for r in rows)
 
 
 def test_policy_weights_changed_and_vllm_matches_the_trainer(finished_run):

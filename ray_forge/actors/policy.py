@@ -145,7 +145,11 @@ class VLLMPolicy:
             log.warning("restarted before any weights were published: serving the base model (version 0)")
             return
         spec, version = latest
-        self.update_weights(spec, version)
+        try:
+            self.update_weights(spec, version)
+        except WeightSyncError as err:  # the fleet brings it up at its next sync; never fail the restart
+            log.warning("restarted: could not load version %d (%s); serving version %d", version, err, self.version)
+            return
         if self.version == version:
             log.warning("restarted: loaded policy version %d from the weight store", version)
         else:
@@ -300,6 +304,10 @@ class VLLMPolicy:
 
     def get_version(self) -> int:
         return self.version
+
+    def weights_route(self) -> str:
+        """How weight versions reach this engine, in words (the run's summary says it)."""
+        return self.weights.route()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -14,6 +14,8 @@ import asyncio
 import logging
 import time
 
+import ray
+
 from ray_forge.actors.rollout import RolloutSettings
 from ray_forge.core.episode import Episode
 from ray_forge.remote import RemoteCallError, call
@@ -137,8 +139,15 @@ class Fleet:
         self.held[name] = version
         while self.spec is not None and self.held[name] < self.version:
             target = self.version
-            answer = await call(self.members[name].update_weights.remote(self.spec, target),
-                                timeout_s=self.spec.timeout_s + 60, what=f"{name}.update_weights")
+            try:
+                answer = await call(self.members[name].update_weights.remote(self.spec, target),
+                                    timeout_s=self.spec.timeout_s + 60, what=f"{name}.update_weights")
+            except ray.exceptions.RayTaskError as err:
+                if not isinstance(err.cause, WeightSyncError):
+                    raise
+                log.warning("%s could not catch up to version %d (the next sync tries again): %s", name, target,
+                            err.cause)
+                break
             self.held[name] = int(answer["version"])
             if self.held[name] < target:
                 # Its games carry the version it holds, so the buffer's lag limit drops them until it catches up.
@@ -212,8 +221,6 @@ class Fleet:
     async def _update(self, name: str, round_: SyncRound) -> dict[str, float] | None:
         """``name``'s answer to its update (timings and the version it holds); None when it died
         (it is synced when it is back) or its sync failed (it keeps its previous version)."""
-        import ray
-
         try:
             answer = await call(self.members[name].update_weights.remote(round_.spec, round_.version),
                                 timeout_s=round_.engine_timeout_s, what=f"{name}.update_weights")
@@ -245,8 +252,6 @@ class Fleet:
 
 def _actor_state(handle) -> tuple[int, bool] | None:
     """(Ray's count of restarts, alive) of one actor, from the GCS (no dashboard needed); None if unknown."""
-    import ray
-
     try:
         info = ray._private.state.actors(actor_id=handle._actor_id.hex())
         return int(info["NumRestarts"]), info["State"] == "ALIVE"
