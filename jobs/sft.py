@@ -13,11 +13,9 @@ checkpoint every ``run.checkpoint_every`` steps; the result is ``final_model``, 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -30,27 +28,18 @@ from ray_forge.config import ConfigError
 from ray_forge.config.schema import SFTConfig
 from ray_forge.core import checkpoint, sft
 from ray_forge.core.checkpoint import CheckpointError
-from ray_forge.models.tiny import ModelError, check_model_dir, make_tiny_qwen3
+from ray_forge.models.export import save_hf_folder
+from ray_forge.models.tiny import ModelError, check_model_dir
 from ray_forge.observe.metrics import MetricsLog
 from ray_forge.remote import RemoteCallError
-from ray_forge.run.directory import FINISHED_FILE, Run, create, open_run, truncate_metrics
-from ray_forge.run.export import save_hf_folder
+from ray_forge.run.command_line import parse_args, run_cli, stops_resumably
+from ray_forge.run.directory import FINISHED_FILE, Run, base_model, create, open_run, truncate_metrics
 
 log = logging.getLogger("sft")
 
 FIXED_ON_RESUME = ("run.seed", "data.train", "data.eval", "data.eval_fraction", "data.batch_size", "data.max_tokens",
                    "data.pack", "trainer.num_ranks", "model.path", "model.tiny")
 """What a resumed run keeps from its saved config: the batches and shards depend on it."""
-
-
-def prepare_model(config: SFTConfig, run_dir: Path, conversations: list[sft.Conversation]) -> str:
-    """``model.path``, or a tiny chat model made from the conversations' texts (kept on resume)."""
-    if config.model.path:
-        return str(check_model_dir(config.model.path))
-    made = run_dir / "initial_model"
-    if (made / "config.json").is_file():
-        return str(check_model_dir(made))
-    return str(make_tiny_qwen3(made, corpus_of(conversations), config.model.tiny, chat=True))
 
 
 def corpus_of(conversations: list[sft.Conversation]) -> list[str]:
@@ -155,12 +144,8 @@ def held_out_packed(config: SFTConfig, eval_rows: list[list[sft.Row]]) -> list[s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(Path(__file__).parent / "configs" / "sft_tools_tiny.yaml"))
-    parser.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its newest checkpoint")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-3 run.steps=50")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(__doc__, str(Path(__file__).parent / "configs" / "sft_tools_tiny.yaml"), argv,
+                      "trainer.lr=1e-3 run.steps=50")
     run = open_run(args.config, args.overrides, args.resume, cls=SFTConfig, fixed=FIXED_ON_RESUME)
     config = run.config
     if not config.data.train:
@@ -174,30 +159,16 @@ def main(argv: list[str] | None = None) -> dict:
         check_model_dir(config.model.path)
     create(run)
     log.info("run directory: %s%s", run.run_dir, " (resumed)" if run.resumed else "")
-    model_dir = prepare_model(config, run.run_dir, train_set)
+    model_dir = base_model(run, lambda: corpus_of(train_set), chat=True)
     tokenizer = chat_tokenizer(model_dir)
     start = time.monotonic()
     train_rows, eval_rows = rows_of(tokenizer, train_set), rows_of(tokenizer, eval_set)
     log.info("rendered %d conversations in %.1f s", len(train_set) + len(eval_set), time.monotonic() - start)
-    try:
+    with stops_resumably(run, "jobs/sft.py", (RemoteCallError, CheckpointError, TimeoutError)):
         summary = asyncio.run(run_job(run, model_dir, train_rows, eval_rows))
-    except (RemoteCallError, CheckpointError, TimeoutError) as err:
-        raise SFTStopped(f"{err}; resume with: python jobs/sft.py --resume {run.run_dir}") from err
     print(json.dumps(summary))
     return summary
 
 
-class SFTStopped(RuntimeError):
-    """A run stopped on an expected fault; the message ends with the command that resumes it."""
-
-
-def cli() -> None:
-    try:
-        main()
-    except (SFTStopped, ConfigError, ModelError, sft.DataError) as err:
-        print(f"sft: error: {err}", file=sys.stderr)
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    cli()
+    run_cli(main, "sft", (ModelError, sft.DataError))

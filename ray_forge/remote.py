@@ -7,6 +7,8 @@ from typing import Any
 
 import ray
 
+from ray_forge.identity import ActorId
+
 
 class ActorRestarted(RuntimeError):
     """Raised by an actor asked about state it lost when Ray restarted it (a batch it never
@@ -14,33 +16,40 @@ class ActorRestarted(RuntimeError):
 
 
 class RemoteCallError(RuntimeError):
-    """An actor died or did not answer in time. ``actor`` is the name before the call's dot
-    (``policy-1`` for ``policy-1.generate``); ``died`` is False for a timeout."""
+    """An actor died or did not answer in time. ``actor`` is the fleet member that did (None for
+    one outside the fleet: the buffer, the weight store); ``died`` is False for a timeout."""
 
-    def __init__(self, message: str, what: str = "", died: bool = False) -> None:
+    def __init__(self, message: str, what: str = "", died: bool = False, actor: ActorId | None = None) -> None:
         super().__init__(message)
         self.what = what
-        self.actor = what.split(".")[0]
+        self.actor = actor
         self.died = died
 
     def __reduce__(self):
         # Raised inside a rollout worker, it reaches the driver pickled: keep who died.
-        return RemoteCallError, (str(self), self.what, self.died)
+        return RemoteCallError, (str(self), self.what, self.died, self.actor)
 
 
-async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> Any:
-    """Await ``ref``; ``what`` (e.g. 'policy-0.generate') appears in the error."""
+def _label(what: str, actor: ActorId | None) -> str:
+    return f"{actor}.{what}" if actor is not None else what
+
+
+async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str, actor: ActorId | None = None) -> Any:
+    """Await ``ref``; the error names the call: ``what`` of ``actor`` ('policy-0.generate'), or
+    ``what`` alone for an actor outside the fleet ('buffer.stats')."""
+    label = _label(what, actor)
     try:
         return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout=timeout_s)
     except asyncio.TimeoutError:
-        raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s", what) from None
+        raise RemoteCallError(f"{label} did not answer within {timeout_s:.0f}s", label, actor=actor) from None
     except ray.exceptions.RayActorError as err:
-        raise _died(what, err) from err
+        raise _died(label, actor, err) from err
     except ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, ActorRestarted):
-            raise RemoteCallError(f"{what} failed: {err.cause}", what, died=True) from err
+            raise RemoteCallError(f"{label} failed: {err.cause}", label, died=True, actor=actor) from err
         if isinstance(err.cause, RemoteCallError):  # a call the remote actor made failed: name that one
-            raise RemoteCallError(f"{what}: {err.cause}", err.cause.what, died=err.cause.died) from err
+            inner = err.cause
+            raise RemoteCallError(f"{label}: {inner}", inner.what, died=inner.died, actor=inner.actor) from err
         raise
 
 
@@ -51,20 +60,30 @@ async def computed(ref: ray.ObjectRef, *, timeout_s: float, what: str) -> None:
         raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s", what)
 
 
-def get(ref: ray.ObjectRef | list[ray.ObjectRef], *, timeout_s: float, what: str) -> Any:
+def get(ref: ray.ObjectRef | list[ray.ObjectRef], *, timeout_s: float, what: str,
+        actor: ActorId | None = None) -> Any:
     """Blocking ``ray.get`` with the same error contract as :func:`call`."""
+    label = _label(what, actor)
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        raise RemoteCallError(f"{what} did not answer within {timeout_s:.0f}s", what) from None
+        raise RemoteCallError(f"{label} did not answer within {timeout_s:.0f}s", label, actor=actor) from None
     except ray.exceptions.RayActorError as err:
-        raise _died(what, err) from err
+        raise _died(label, actor, err) from err
 
 
-def _died(what: str, err: Exception) -> RemoteCallError:
-    """Name the cause: an actor whose constructor raised ends its message with that error."""
+def last_line(err: Exception) -> str:
+    """A remote error's own last line: the exception an actor's constructor raised, a rank's
+    OSError inside the error DCP wraps it in; the error's class if it has no text."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    cause = lines[-1] if lines and "Error" in lines[-1].split(":")[0] else err.__class__.__name__
+    return lines[-1] if lines else err.__class__.__name__
+
+
+def _died(what: str, actor: ActorId | None, err: Exception) -> RemoteCallError:
+    """Name the cause: an actor whose constructor raised ends its message with that error."""
+    cause = last_line(err)
+    if "Error" not in cause.split(":")[0]:
+        cause = err.__class__.__name__
     if isinstance(err, ray.exceptions.ActorUnavailableError):  # restarting, or unreachable for a moment
         cause = "unavailable: restarting or unreachable"
-    return RemoteCallError(f"{what} failed: the actor died ({cause})", what, died=True)
+    return RemoteCallError(f"{what} failed: the actor died ({cause})", what, died=True, actor=actor)

@@ -50,13 +50,14 @@ def test_the_readme_shows_this_very_env():
 @pytest.mark.vllm
 def test_a_registered_env_trains_for_two_steps(light, ray_cluster, tmp_path):
     from jobs import grpo
+    from ray_forge.observe.metrics import read_metrics
 
     summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",
                          "env.name=light", "env.options.light.reward=2.0", "env.max_turns=1", "run.name=light",
                          "run.steps=2", "run.eval_every=1", "grpo.games_per_step=64", "run.progress=false",
                          "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64"])
     run_dir = Path(summary["run_dir"])
-    rows = grpo.read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and set(summary["policy_versions"]) == {2}
     for row in rows:
         assert row["num_games"] == 64 and row["env_errors"] == 0  # every answer was LEFT or RIGHT

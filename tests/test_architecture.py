@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-LAYERS = {"config": 0, "core": 1, "models": 2, "observe": 2, "remote": 2, "net": 2, "weights": 3, "cluster": 3,
+LAYERS = {"identity": 0, "config": 0, "core": 1, "models": 2, "observe": 2, "remote": 2, "net": 2, "weights": 3, "cluster": 3,
           "actors": 4, "run": 5}
 """A part of ray_forge may import its own layer and those below it, never one above."""
 ENV_MAY_IMPORT = ("ray_forge.core", "ray_forge.config", "ray_forge.observe.plots")
@@ -218,3 +219,64 @@ def test_the_transport_check_finds_what_it_forbids(tmp_path, monkeypatch):
     assert transport_mentions(planted) == [
         "line 3: asks whether a transport pushes", "line 3: the transport name 'nixl'", *imported]
     assert transport_mentions(planted, names_allowed=True) == ["line 3: asks whether a transport pushes", *imported]
+
+
+# -- actors are named by their identity ----------------------------------------------------------
+ROLE_NAME = re.compile(r"\b(policy|env|trainer)-(\d|%d|\{)")
+"""A fleet member's name written out (``policy-0``), or a format that builds one."""
+
+
+def joins_a_role(node: ast.JoinedStr) -> bool:
+    """``f"{role}-{i}"``: a value called role, then a dash."""
+    pairs = zip(node.values, node.values[1:])
+    return any(isinstance(v, ast.FormattedValue) and isinstance(c, ast.Constant) and str(c.value).startswith("-")
+               and "role" in ast.unparse(v.value).split(".")[-1] for v, c in pairs)
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (prose may say ``policy-0``)."""
+    found = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            found |= {id(stmt.value) for stmt in body
+                      if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)}
+    return found
+
+
+def actor_name_handling(path: Path) -> list[str]:
+    """Where a module builds an actor's name from its role and index, writes one out, or takes a
+    name apart; only ``ray_forge/core/identity.py`` may (the first two)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{" for v in node.values)
+            if ROLE_NAME.search(text) or joins_a_role(node):
+                found.append(f"line {node.lineno}: builds an actor's name ({text!r})")
+            skip |= {id(v) for v in node.values}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip \
+                and ROLE_NAME.search(node.value):
+            found.append(f"line {node.lineno}: writes an actor's name ({node.value!r})")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("split", "rsplit", "partition", "rpartition")
+              and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "-"):
+            found.append(f"line {node.lineno}: takes a name apart at '-'")
+    return sorted(found, key=lambda f: int(f.split(":")[0].split()[1]))
+
+
+@pytest.mark.parametrize("path", [p for p in sources("ray_forge") + sources("jobs") if p.name != "identity.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_actor_name_is_built_or_parsed_outside_the_identity_type(path):
+    assert actor_name_handling(path) == []
+
+
+def test_the_name_check_finds_planted_names(tmp_path):
+    planted = tmp_path / "x.py"
+    planted.write_text('"""Docs may say policy-0."""\n'
+                       'def f(i, name):\n    """Or env-3."""\n    a = f"trainer-{i}"\n    b = "policy-1"\n'
+                       '    role = name.split("-")[0]\n    log("env-%d died", i)\n    return f"env-{i}.step"\n'
+                       'names = {f"{role}-{i}" for role in ("env", "policy") for i in range(2)}\n')
+    assert [v.split(":")[0] for v in actor_name_handling(planted)] == [
+        "line 4", "line 5", "line 6", "line 7", "line 8", "line 9"]

@@ -53,8 +53,8 @@ def test_every_game_is_accounted_for_once():
     buf.evict_stale(trainer_version=2)  # version 0 is now too old
     stats = buf.stats()
     assert stats == dict(generated=10, trained=2, evicted_stale=2, dropped_no_signal=2, dropped_full=2,
-                         buffer_games=2)
-    assert stats["generated"] == sum(stats[k] for k in COUNTERS[1:]) + stats["buffer_games"]
+                         buffer_size=2)
+    assert stats["generated"] == sum(stats[k] for k in COUNTERS[1:]) + stats["buffer_size"]
 
 
 def test_state_round_trips_contents_counts_and_position():

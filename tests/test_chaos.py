@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ray_forge.actors.buffer import COUNTERS
+from ray_forge import identity
 from ray_forge.core import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
@@ -84,10 +85,11 @@ class _StillFleet:
     """A fleet whose plays finish only when the test says: the monkey's pacing, without actors."""
 
     def __init__(self) -> None:
-        self.members = {"env-0": "env-0", "env-1": "env-1"}
+        self.members = {identity.env(0): "env-0", identity.env(1): "env-1"}
         self.plays_done = 0
+        self.chaos_kills = []
 
-    def ray_restarts(self, name: str) -> None:
+    def ray_restarts(self, name) -> None:
         return None  # unknown: taken as up
 
 
@@ -102,11 +104,12 @@ def test_the_monkey_never_kills_twice_before_a_chunk_has_finished(monkeypatch):
     from ray_forge.run.chaos import chaos_monkey
 
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart: None)
-    fleet, kills = _StillFleet(), []
+    fleet = _StillFleet()
+    kills = fleet.chaos_kills
 
     async def scenario() -> None:
         stop = asyncio.Event()
-        monkey = asyncio.create_task(chaos_monkey(ChaosConfig(every_s=0.01, targets=("env",)), fleet, stop, kills))
+        monkey = asyncio.create_task(chaos_monkey(ChaosConfig(every_s=0.01, targets=("env",)), fleet, stop))
         await _until(lambda: len(kills) == 1)
         await asyncio.sleep(2.0)  # past the kill's 1 s settling: many ticks of the clock, no play done
         assert len(kills) == 1, kills

@@ -153,3 +153,31 @@ def test_every_config_field_has_a_docstring():
             if dataclasses.is_dataclass(hints[field.name]) and hints[field.name] not in seen:
                 todo.append(hints[field.name])
     assert len(seen) >= 14 and not missing, missing
+
+
+FREE = {"seed", "invalid_action_penalty"}
+"""Numeric settings any value of which means something (a seed, a reward)."""
+
+
+def test_every_numeric_setting_declares_its_bound_on_the_field():
+    """Bounds sit on the fields themselves, so a renamed field keeps its check: every numeric field
+    of both jobs' configs has one, but seeds and rewards."""
+    import dataclasses
+    import typing
+
+    from ray_forge.config.schema import SFTConfig
+
+    def unbounded(cls, prefix=""):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from unbounded(hints[f.name], f"{prefix}{f.name}.")
+            elif hints[f.name] in (int, float) and "bound" not in f.metadata and f.name not in FREE:
+                yield prefix + f.name
+
+    assert [*unbounded(JobConfig), *unbounded(SFTConfig)] == []
+    with pytest.raises(ConfigError, match=r"grpo.group_size = 1 is out of range: it must be >= 2"):
+        load_config(JobConfig, None, ["grpo.group_size=1"])
+    with pytest.raises(ConfigError, match=r"data.eval_fraction = 1.0 is out of range: it must be in \[0, 1\)"):
+        from ray_forge.config.schema import SFTConfig
+        load_config(SFTConfig, None, ["data.eval_fraction=1"])

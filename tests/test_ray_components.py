@@ -11,6 +11,7 @@ from ray_forge.actors.env_pool import EnvPoolActor
 from ray_forge.actors.rollout import RolloutSettings
 from ray_forge.cluster.pools import PlacementError, Pools
 from ray_forge.config.schema import BufferConfig, ClusterConfig, EnvConfig, Resources
+from ray_forge import identity
 from ray_forge.core.env import StepResult
 from ray_forge.core.episode import Turn
 from ray_forge.remote import RemoteCallError, call
@@ -93,9 +94,9 @@ def test_a_rollout_worker_plays_beside_its_envs_and_fills_the_buffer(ray_cluster
     settings = RolloutSettings(group_size=4, max_turns=10, invalid_action_penalty=-1.0,
                                policy_timeout_s=30, env_timeout_s=30)
 
-    async def play(chunk, groups, policy=policy, name="policy-0"):
+    async def play(chunk, groups, policy=policy, name=identity.policy(0)):
         return await call(env.play.remote(policy, name, groups, settings, chunk, (buffer, 0, chunk, 2)),
-                          timeout_s=60, what="env-0.play")
+                          timeout_s=60, what="play", actor=identity.env(0))
 
     first = asyncio.run(play(0, [(0, 11), (1, 12)]))
     assert first["games"] == 8 and first["tokens"] >= 8 and set(first) == {"games", "tokens"}
@@ -107,8 +108,8 @@ def test_a_rollout_worker_plays_beside_its_envs_and_fills_the_buffer(ray_cluster
     dead = ray.remote(ScriptedPolicy).options(num_cpus=0).remote(lambda s: "HIT")
     ray.kill(dead)
     with pytest.raises(RemoteCallError, match="policy-1.generate failed: the actor died") as err:
-        asyncio.run(play(0, [(3, 14)], policy=dead, name="policy-1"))
-    assert err.value.died and err.value.actor == "policy-1"
+        asyncio.run(play(0, [(3, 14)], policy=dead, name=identity.policy(1)))
+    assert err.value.died and err.value.actor == identity.policy(1)
     for actor in (policy, env, buffer):
         ray.kill(actor)
 
@@ -171,7 +172,7 @@ def test_dead_actor_is_named_in_the_error(ray_cluster):
     ray.kill(env)
     start = time.monotonic()
     with pytest.raises(RemoteCallError, match="env-7.reset failed: the actor died"):
-        asyncio.run(call(env.reset.remote(0, [1]), timeout_s=20, what="env-7.reset"))
+        asyncio.run(call(env.reset.remote(0, [1]), timeout_s=20, what="reset", actor=identity.env(7)))
     assert time.monotonic() - start < 20
 
 
@@ -183,5 +184,5 @@ def test_slow_actor_times_out_with_its_name(ray_cluster):
 
     sleeper = Sleeper.remote()
     with pytest.raises(RemoteCallError, match="policy-3.generate did not answer within 1s"):
-        asyncio.run(call(sleeper.wait.remote(30), timeout_s=1, what="policy-3.generate"))
+        asyncio.run(call(sleeper.wait.remote(30), timeout_s=1, what="generate", actor=identity.policy(3)))
     ray.kill(sleeper)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ray_forge import identity
 from ray_forge.weights import StoreSpec, WeightStore
 from ray_forge.weights.layout import tensors_digest
 
@@ -93,7 +94,7 @@ async def _publish_on_every_rank(s: Setup, version: int) -> list:
     from ray_forge.remote import call
 
     refs = [r.publish_weights.remote(s.spec, version) for r in s.ranks]
-    return await asyncio.gather(*(call(ref, timeout_s=120, what=f"trainer-{i}.publish_weights")
+    return await asyncio.gather(*(call(ref, timeout_s=120, what="publish_weights", actor=identity.trainer(i))
                                   for i, ref in enumerate(refs)), return_exceptions=True)
 
 
@@ -217,7 +218,7 @@ def test_a_killed_engine_is_named_and_the_others_go_on(ray_cluster, setup, tmp_p
         kept = await asyncio.wrap_future(survivor.get_version.remote().future())
         kept_texts = [t.text for t in await asyncio.wrap_future(survivor.generate.remote(s.prompts, greedy=True)
                                                                  .future())]
-        assert s.fleet.down("policy-1")  # the fleet knows: the next sync leaves it out
+        assert s.fleet.down(identity.policy(1))  # the fleet knows: the next sync leaves it out
         await _train_and_sync(s, 11)
         return results, loaded, synced_in, kept, kept_texts
 
@@ -293,7 +294,7 @@ def test_a_lost_trainer_rank_is_named_and_every_engine_keeps_its_version(ray_clu
 
     with caplog.at_level(logging.WARNING, logger="ray_forge.run.fleet"):
         published, synced, elapsed = asyncio.run(scenario())
-    assert isinstance(published, RemoteCallError) and published.died and published.actor == "trainer-1"
+    assert isinstance(published, RemoteCallError) and published.died and published.actor == identity.trainer(1)
     assert synced == {} and s.fleet.failed_syncs == 1 and s.fleet.serving == 12
     assert elapsed < TIMEOUT_S + 15
     named = [r.getMessage() for r in caplog.records if "trainer-1 did not put its part within 15s" in r.getMessage()]

@@ -6,6 +6,8 @@ generated = trained + evicted as stale + dropped (no signal, or over capacity) +
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import pickle
 from collections import deque
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from ray_forge.core.episode import Episode
 
 COUNTERS = ("generated", "trained", "evicted_stale", "dropped_no_signal", "dropped_full")
 """Cumulative game counts, in the order of the identity above."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +65,8 @@ class ReplayBuffer:
         self.next_batch = 0
         self._chunks: dict[int, dict[int, list[list[Episode]]]] = {}
         self._num_chunks: dict[int, int] = {}
+        self._added = asyncio.Event()
+        """Set whenever games come in: ``wait_batch`` waits on it."""
 
     def add(self, groups: list[list[Episode]], next_batch: int | None = None) -> int:
         for group in groups:
@@ -70,6 +76,7 @@ class ReplayBuffer:
             self.next_batch = next_batch
         while self.num_games() > self.capacity_games:
             self.counts["dropped_full"] += len(self._entries.popleft().group)
+        self._added.set()
         return self.num_games()
 
     def add_chunk(self, batch: int, chunk: int, num_chunks: int, groups: list[list[Episode]]) -> int:
@@ -92,6 +99,19 @@ class ReplayBuffer:
             return None
         samples, stats = groups_to_samples(groups, merge, trainer_version)
         return stats, ray.put(samples)
+
+    async def wait_batch(self, num_games: int, trainer_version: int, merge: bool,
+                         timeout_s: float) -> tuple[dict, ray.ObjectRef] | None:
+        """``sample_batch``, waiting up to ``timeout_s`` for enough games to come in; None if they did not."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (batch := self.sample_batch(num_games, trainer_version, merge)) is None:
+            self._added.clear()
+            try:
+                await asyncio.wait_for(self._added.wait(), timeout=max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return None
+        return batch
 
     def evict_stale(self, trainer_version: int) -> int:
         """Drop groups older than ``trainer_version - max_policy_lag``; returns how many."""
@@ -122,8 +142,13 @@ class ReplayBuffer:
         return sum(len(e.group) for e in self._entries)
 
     def stats(self) -> dict[str, int]:
-        """Cumulative game counts and the games still buffered (``buffer_games``)."""
-        return dict(self.counts, buffer_games=self.num_games())
+        """Cumulative game counts and the games still buffered (``buffer_size``); logs an error
+        if they break the identity of the module's docstring (a game lost or counted twice)."""
+        row = dict(self.counts, buffer_size=self.num_games())
+        accounted = sum(row[k] for k in COUNTERS[1:]) + row["buffer_size"]
+        if accounted != row["generated"]:
+            log.error("game accounting is off: %d generated, %d accounted for (%s)", row["generated"], accounted, row)
+        return row
 
     def state(self) -> dict:
         """Everything a checkpoint needs, taken in one call (the actor runs calls one at a time)."""

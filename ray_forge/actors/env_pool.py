@@ -21,6 +21,7 @@ from ray_forge.config.schema import EnvConfig
 from ray_forge.core.chat import ChatFormat
 from ray_forge.core.env import EnvSetup, StepResult, TextEnv
 from ray_forge.core.episode import Episode
+from ray_forge.identity import ActorId
 from ray_forge.core.play import Play
 from ray_forge.remote import ActorRestarted, RemoteCallError, call, get
 
@@ -108,7 +109,7 @@ class EnvPool:
         with self._lock:
             self._free.extend(self._batches.pop(key, []))
 
-    async def play(self, policy, policy_name: str, groups: list[tuple[int, int]], settings: RolloutSettings,
+    async def play(self, policy, policy_id: ActorId, groups: list[tuple[int, int]], settings: RolloutSettings,
                    key: Hashable, sink: tuple | None = None) -> list[list[Episode]] | dict[str, int]:
         """Play ``groups`` on this pool's envs against ``policy`` (an engine actor), with the game
         loop of ``ray_forge.core.play``.
@@ -119,7 +120,7 @@ class EnvPool:
         the driver can replay the chunk elsewhere; a policy or env call that times out raises one
         too (not a death: the run stops, naming the call)."""
         games = [(gid, seed) for gid, seed in groups for _ in range(settings.group_size)]
-        episodes = await self._play(games, self._engine(policy, policy_name, settings, groups), settings, key)
+        episodes = await self._play(games, self._engine(policy, policy_id, settings, groups), settings, key)
         g = settings.group_size
         played = [episodes[i:i + g] for i in range(0, len(episodes), g)]
         if sink is None:
@@ -148,21 +149,21 @@ class EnvPool:
         self.release(key)
         return episodes
 
-    def _engine(self, policy, policy_name: str, settings: RolloutSettings, groups: list[tuple[int, int]]):
+    def _engine(self, policy, policy_id: ActorId, settings: RolloutSettings, groups: list[tuple[int, int]]):
         """The game loop's policy: calls of ``policy`` (an engine actor) under the rollout's timeout,
         text prompts in ``turns`` mode, token ids in ``sequence`` mode."""
         async def generate(prompts: list, max_tokens: list[int], stop_ids: tuple[int, ...], call_index: int):
             seed = None if settings.greedy else request_seed(groups, call_index)
             ref = (policy.generate_ids.remote(prompts, max_tokens, stop_ids, settings.greedy, seed, settings.priority)
                    if self._chat is not None else policy.generate.remote(prompts, settings.greedy, seed, settings.priority))
-            return await call(ref, timeout_s=settings.policy_timeout_s, what=f"{policy_name}.generate")
+            return await call(ref, timeout_s=settings.policy_timeout_s, what="generate", actor=policy_id)
 
         return generate
 
     def _name(self) -> str:
         return ray.get_runtime_context().get_actor_name() or "env"
 
-    async def evaluate(self, policy, policy_name: str, final: bool, timeout_s: float,
+    async def evaluate(self, policy, policy_id: ActorId, final: bool, timeout_s: float,
                        settings: RolloutSettings) -> tuple[dict[str, float], dict]:
         """The env's own greedy evaluation of ``policy`` (its metrics and whole result), run here
         beside the envs (a sandbox, a server's sessions) in a thread, so plays go on meanwhile.
@@ -179,7 +180,7 @@ class EnvPool:
                 ids = [tuple(self._chat.render([{"role": "user", "content": p}], True)) for p in prompts]
                 ref = policy.generate_ids.remote(ids, [greedy.rules.turn_tokens] * len(ids), self._chat.stop_ids, True,
                                                  None, -1)
-            turns = get(ref, timeout_s=timeout_s, what=f"{policy_name}.generate")
+            turns = get(ref, timeout_s=timeout_s, what="generate", actor=policy_id)
             return [turn.text if self._chat is None else self._chat.decode(turn.response_ids) for turn in turns]
 
         def play(seeds: list[int], greedy: bool = True) -> list[Episode]:
@@ -188,7 +189,7 @@ class EnvPool:
             episodes = []
             for first in range(0, len(seeds), EVAL_CHUNK):
                 games = [(first + i, seed) for i, seed in enumerate(seeds[first:first + EVAL_CHUNK])]
-                engine = self._engine(policy, policy_name, how, games)
+                engine = self._engine(policy, policy_id, how, games)
                 work = self._play(games, engine, how, ("eval", id(seeds), greedy, first))
                 episodes += asyncio.run_coroutine_threadsafe(work, loop).result(timeout=how.play_limit_s)
             return episodes

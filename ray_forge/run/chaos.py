@@ -14,18 +14,19 @@ import random
 import ray
 
 from ray_forge.config.schema import ChaosConfig
+from ray_forge.identity import ActorId
 
 log = logging.getLogger(__name__)
 
 
-def victims(config: ChaosConfig, names: list[str]) -> list[str]:
-    """The actors the config allows to be killed: a role (``env``) or an actor's name (``policy-1``)."""
-    return [n for n in names if n in config.targets or n.split("-")[0] in config.targets]
+def victims(config: ChaosConfig, members: list[ActorId]) -> list[ActorId]:
+    """The actors the config allows to be killed: a role (``env``) or an actor (``policy-1``)."""
+    return [m for m in members if m.matches(config.targets)]
 
 
-async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event, kills: list[str]) -> None:
-    """Until ``stop`` is set: wait ``every_s`` (x0.5 to x1.5), kill one allowed actor, append its
-    name to ``kills``. An actor is spared while it restarts (Ray says it is not alive yet):
+async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event) -> None:
+    """Until ``stop`` is set: wait ``every_s`` (x0.5 to x1.5), kill one allowed actor, append it to
+    ``fleet.chaos_kills``. An actor is spared while it restarts (Ray says it is not alive yet):
     killing an engine again before it is up would only show that it cannot start. If the drawn
     one is restarting, another is drawn; if all are, the kill waits. A kill also waits until the
     fleet has played a chunk to its end since the last one: on a slow machine the faults come
@@ -33,7 +34,7 @@ async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event, kills: l
     rng = random.Random(config.seed)
     allowed = victims(config, sorted(fleet.members))
     if not allowed:
-        raise ValueError(f"chaos.targets {config.targets} match no actor of {sorted(fleet.members)}")
+        raise ValueError(f"chaos.targets {config.targets} match no actor of {[str(m) for m in sorted(fleet.members)]}")
     done_at_kill = -1
     while True:
         if await _stopped(stop, config.every_s * rng.uniform(0.5, 1.5)):
@@ -52,7 +53,7 @@ async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event, kills: l
         done_at_kill = fleet.plays_done
         log.warning("chaos: killing %s", name)
         ray.kill(fleet.members[name], no_restart=False)
-        kills.append(name)
+        fleet.chaos_kills.append(name)
         await asyncio.sleep(1.0)  # Ray marks it restarting within this; never count a kill on a corpse
 
 
@@ -65,6 +66,6 @@ async def _stopped(stop: asyncio.Event, wait_s: float) -> bool:
         return False
 
 
-def _up(fleet, name: str) -> bool:
+def _up(fleet, name: ActorId) -> bool:
     state = fleet.ray_restarts(name)
     return state is None or state[1]

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import yaml
 from ray_forge.config import ConfigError, load_config, to_dict
 from ray_forge.config.schema import JobConfig
 from ray_forge.core import checkpoint
+from ray_forge.models.tiny import check_model_dir, make_tiny_qwen3
 
 CONFIG_FILE = "config.yaml"
 FINISHED_FILE = "eval.json"
@@ -127,3 +129,16 @@ def truncate_metrics(run_dir: Path, last_step: int) -> float:
     tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
     os.replace(tmp, path)
     return kept[-1]["wall_time_s"] if kept else 0.0
+
+
+def base_model(run: Run, corpus: Callable[[], list[str]], chat: bool) -> str:
+    """The run's base model: ``model.path``, or a tiny one made in the run directory, its tokenizer
+    trained on ``corpus()`` (kept on resume, so the reference model and a restarted engine start
+    from the same weights as before)."""
+    model = run.config.model
+    if model.path:
+        return str(check_model_dir(model.path))
+    made = run.run_dir / "initial_model"
+    if (made / "config.json").is_file():
+        return str(check_model_dir(made))
+    return str(make_tiny_qwen3(made, corpus(), model.tiny, chat=chat))

@@ -17,8 +17,11 @@ import time
 import ray
 
 from ray_forge.actors.rollout import RolloutSettings
+from ray_forge import identity
 from ray_forge.core.episode import Episode
+from ray_forge.identity import ActorId, Role
 from ray_forge.remote import RemoteCallError, call
+from ray_forge.run import sync_check
 from ray_forge.weights import MixedWeights, StoreSpec, WeightSyncError
 from ray_forge.weights.sync import SyncRound
 
@@ -35,26 +38,40 @@ MAX_PLAY_ATTEMPTS = 16
 MAX_FAILED_SYNCS = 3
 """Consecutive weight syncs that may fail (engines keep their version) before the run stops."""
 
+MAX_EVAL_ATTEMPTS = 3
+"""Times an evaluation starts again after policy-0 or env-0 died under it."""
+
+EVALUATOR, EVALUATED = identity.env(0), identity.policy(0)
+"""The env actor that runs evaluations, and the engine they and the sync check ask."""
+
+CARRIED = ("actor_restarts", "replayed_games", "chaos_kills")
+"""Counts since the run began, carried across a resume (``carry``)."""
+
 
 class Fleet:
     def __init__(self, policies: list, envs: list, *, policy_timeout_s: float, env_timeout_s: float) -> None:
-        self.members = {f"policy-{i}": p for i, p in enumerate(policies)} | {f"env-{i}": e for i, e in enumerate(envs)}
-        self.num = {"policy": len(policies), "env": len(envs)}
-        self.timeout_s = {"policy": policy_timeout_s, "env": env_timeout_s}
-        self.pids: dict[str, int] = {}
+        self.members: dict[ActorId, object] = (dict(zip(identity.all_of(Role.POLICY, len(policies)), policies))
+                                               | dict(zip(identity.all_of(Role.ENV, len(envs)), envs)))
+        self.num = {Role.POLICY: len(policies), Role.ENV: len(envs)}
+        self.timeout_s = {Role.POLICY: policy_timeout_s, Role.ENV: env_timeout_s}
+        self.pids: dict[ActorId, int] = {}
         self.version = 0
         """The policy version every engine should hold: the newest synced (a restarted one is brought to it)."""
         self.failed_syncs = 0
         """Syncs in a row that left some live engine on an older version."""
-        self.held: dict[str, int] = {}
+        self.held: dict[ActorId, int] = {}
         """The version each engine said it holds after its last update."""
         self.serving = 0
         """The version every live engine holds: ``version`` once its sync has reached them all."""
         self.spec: StoreSpec | None = None
-        self._recovering: dict[str, asyncio.Task] = {}
-        self.lost: set[str] = set()
+        self._recovering: dict[ActorId, asyncio.Task] = {}
+        self.lost: set[ActorId] = set()
         self.restarts = 0
         self.replayed_games = 0
+        self.chaos_kills: list[ActorId] = []
+        """Members killed on purpose (``ray_forge/run/chaos.py``)."""
+        self.carried: dict[str, int] = {}
+        """``CARRIED`` counts from before a resume."""
         self.plays_done = 0
         """Chunks played to the end: the chaos monkey waits for one between its kills."""
 
@@ -73,13 +90,13 @@ class Fleet:
         # meanwhile costs it an attempt: only a chunk whose actors die this many times in a row
         # (a seed that crashes them, a fleet that cannot stay up) stops the run.
         for attempt in range(MAX_PLAY_ATTEMPTS):
-            policy, env = await self._pick("policy", chunk + attempt), await self._pick("env", chunk + attempt)
+            policy, env = await self._pick(Role.POLICY, chunk + attempt), await self._pick(Role.ENV, chunk + attempt)
             try:
                 # A key of its own per attempt: an env actor that was only unreachable may still be
                 # playing the first attempt, and two plays must never share an env.
                 played = await call(self.members[env].play.remote(self.members[policy], policy, groups, settings,
                                                                   (key, attempt), sink),
-                                    timeout_s=settings.play_limit_s + 60, what=f"{env}.play")
+                                    timeout_s=settings.play_limit_s + 60, what="play", actor=env)
                 self.plays_done += 1
                 return played
             except RemoteCallError as err:
@@ -91,27 +108,27 @@ class Fleet:
                 self.recover(err.actor)
         raise FleetError(f"a batch of {len(groups)} groups failed on {MAX_PLAY_ATTEMPTS} policy/env pairs")
 
-    async def _pick(self, role: str, start: int) -> str:
+    async def _pick(self, role: Role, start: int) -> ActorId:
         """The first live member of ``role`` from index ``start`` on; waits if all are restarting."""
         while True:
-            names = [f"{role}-{(start + k) % self.num[role]}" for k in range(self.num[role])]
+            names = [ActorId(role, (start + k) % self.num[role]) for k in range(self.num[role])]
             live = [n for n in names if n not in self._recovering and n not in self.lost]
             if live:
                 return live[0]
             waiting = [self._recovering[n] for n in names if n in self._recovering]
             if not waiting:
-                raise FleetError(f"every {role} actor is gone for good: {sorted(self.lost)}")
+                raise FleetError(f"every {role} actor is gone for good: {', '.join(map(str, sorted(self.lost)))}")
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
 
     # -- restarts --------------------------------------------------------------------------
-    def recover(self, name: str) -> asyncio.Task:
+    def recover(self, name: ActorId) -> asyncio.Task:
         """Wait (in the background) for ``name`` to be restarted; one wait per death."""
         if name not in self._recovering:
             self._recovering[name] = asyncio.create_task(self._recover(name))
         return self._recovering[name]
 
-    async def _recover(self, name: str) -> None:
-        role = name.split("-")[0]
+    async def _recover(self, name: ActorId) -> None:
+        role = name.role
         deadline = time.monotonic() + self.timeout_s[role]
         try:
             while True:
@@ -129,19 +146,19 @@ class Fleet:
                 self.restarts += 1
                 self.pids[name] = pid
                 log.warning("%s restarted (process %d)", name, pid)
-            if role == "policy":
+            if role is Role.POLICY:
                 await self._sync(name, version)
         finally:
             self._recovering.pop(name, None)
 
-    async def _sync(self, name: str, version: int) -> None:
+    async def _sync(self, name: ActorId, version: int) -> None:
         """Bring a policy to the fleet's version (a sync may have passed it by while it restarted)."""
         self.held[name] = version
         while self.spec is not None and self.held[name] < self.version:
             target = self.version
             try:
                 answer = await call(self.members[name].update_weights.remote(self.spec, target),
-                                    timeout_s=self.spec.timeout_s + 60, what=f"{name}.update_weights")
+                                    timeout_s=self.spec.timeout_s + 60, what="update_weights", actor=name)
             except ray.exceptions.RayTaskError as err:
                 if not isinstance(err.cause, WeightSyncError):
                     raise
@@ -156,24 +173,24 @@ class Fleet:
                 break
         self._note_serving()
 
-    async def _whoami(self, name: str) -> tuple[int, int]:
-        return await call(self.members[name].whoami.remote(), timeout_s=self.timeout_s[name.split("-")[0]],
-                          what=f"{name}.whoami")
+    async def _whoami(self, name: ActorId) -> tuple[int, int]:
+        return await call(self.members[name].whoami.remote(), timeout_s=self.timeout_s[name.role], what="whoami",
+                          actor=name)
 
     async def settle(self) -> None:
         """Return once no member is restarting (the run's end: every engine reports its version)."""
         while self._recovering:
             await asyncio.gather(*self._recovering.values(), return_exceptions=True)
 
-    def ray_restarts(self, name: str) -> tuple[int, bool] | None:
+    def ray_restarts(self, name: ActorId) -> tuple[int, bool] | None:
         """(times Ray restarted ``name``, whether it is alive now), from the GCS; None if unknown."""
         return _actor_state(self.members[name])
 
-    def down(self, name: str) -> bool:
+    def down(self, name: ActorId) -> bool:
         """Whether ``name`` is restarting or gone (it may not hold the fleet's version)."""
         return name in self._recovering or name in self.lost
 
-    async def ready(self, name: str) -> None:
+    async def ready(self, name: ActorId) -> None:
         """Return once ``name`` is live and holds the fleet's version (for evaluations)."""
         if name in self._recovering:
             await self._recovering[name]
@@ -181,8 +198,22 @@ class Fleet:
             raise FleetError(f"{name} is gone for good")
 
     # -- weights ---------------------------------------------------------------------------
-    def engines(self) -> list[str]:
-        return [f"policy-{i}" for i in range(self.num["policy"])]
+    def engines(self) -> list[ActorId]:
+        return identity.all_of(Role.POLICY, self.num[Role.POLICY])
+
+    async def sync_weights(self, trainer, spec: StoreSpec, version: int) -> dict[str, float]:
+        """The trainer ranks (``trainer``, a TrainerGroup) put ``version`` in the weight store while
+        every live engine takes it: each fetches it off its step loop and loads it between two
+        engine steps (generation pauses for the load, not for the requests in flight). How the
+        bytes travel is the weight store's business.
+
+        Returns seconds: the whole sync, the trainer's publish, and the slowest engine's fetch,
+        load, time generation stood still (``gen_paused_s``) and wait for the step loop to take the load."""
+        start = time.monotonic()
+        publish_s, engines = await asyncio.gather(trainer.publish_weights(spec, version), self.sync(spec, version))
+        return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s,
+                "weight_fetch_s": engines.get("fetch_s", 0.0), "weight_load_s": engines.get("load_s", 0.0),
+                "gen_paused_s": engines.get("paused_s", 0.0), "weight_wait_s": engines.get("waited_s", 0.0)}
 
     async def sync(self, spec: StoreSpec, version: int) -> dict[str, float]:
         """Every live engine takes ``version`` while the trainer publishes it: the driver runs this
@@ -206,7 +237,8 @@ class Fleet:
             self.failed_syncs += 1
             behind = [n for n in names if not self.down(n) and self.held.get(n) != version]
             if self.failed_syncs >= MAX_FAILED_SYNCS:
-                raise FleetError(f"weights could not be synced to {behind or 'any engine'} {self.failed_syncs} times "
+                raise FleetError(f"weights could not be synced to {[str(n) for n in behind] or 'any engine'} "
+                                 f"{self.failed_syncs} times "
                                  f"in a row (last: version {version}); see the errors above")
         timings = [{k: v for k, v in answer.items() if k != "version"} for answer in loaded]
         return {key: max(t[key] for t in timings if key in t) for key in {k for t in timings for k in t}}
@@ -218,17 +250,17 @@ class Fleet:
             self.serving = self.version
         return self.serving == self.version
 
-    async def _update(self, name: str, round_: SyncRound) -> dict[str, float] | None:
+    async def _update(self, name: ActorId, round_: SyncRound) -> dict[str, float] | None:
         """``name``'s answer to its update (timings and the version it holds); None when it died
         (it is synced when it is back) or its sync failed (it keeps its previous version)."""
         try:
             answer = await call(self.members[name].update_weights.remote(round_.spec, round_.version),
-                                timeout_s=round_.engine_timeout_s, what=f"{name}.update_weights")
+                                timeout_s=round_.engine_timeout_s, what="update_weights", actor=name)
         except RemoteCallError as err:
             if not err.died:
                 raise
             log.warning("%s; it is synced when it is back", err)
-            await round_.engine_died(name, str(err))
+            await round_.engine_died(str(name), str(err))
             self.recover(name)
             return None
         except ray.exceptions.RayTaskError as err:
@@ -242,12 +274,65 @@ class Fleet:
         return answer
 
     def stats(self) -> dict[str, int]:
-        """Restarts as Ray's control store counts them (a member killed while idle and back before
-        its next call is one too), else as this fleet saw them; games replayed; members down."""
+        """Since the run began (``carried`` added): restarts as Ray's control store counts them (a
+        member killed while idle and back before its next call is one too), else as this fleet saw
+        them; games replayed; chaos kills. And the members down now."""
         counted = [_actor_state(handle) for handle in self.members.values()]
         restarts = sum(c[0] for c in counted) if None not in counted else self.restarts
-        return dict(actor_restarts=restarts, replayed_games=self.replayed_games,
-                    actors_restarting=len(self._recovering), actors_lost=len(self.lost))
+        since_start = dict(actor_restarts=restarts, replayed_games=self.replayed_games,
+                           chaos_kills=len(self.chaos_kills))
+        return {**{k: v + self.carried.get(k, 0) for k, v in since_start.items()},
+                "actors_restarting": len(self._recovering), "actors_lost": len(self.lost)}
+
+    # -- questions for policy-0 --------------------------------------------------------------
+    async def evaluate(self, settings: RolloutSettings, final: bool = False) -> tuple[dict, dict]:
+        """The env's greedy evaluation of policy-0, run by env-0 (``final``: the end-of-run one):
+        its whole result, and its metrics-row fields. If either dies, again once it is back."""
+        for attempt in range(MAX_EVAL_ATTEMPTS):
+            await self.ready(EVALUATED)
+            await self.ready(EVALUATOR)
+            try:
+                return await self._evaluate(settings, final)
+            except RemoteCallError as err:
+                if not err.died or err.actor not in (EVALUATED, EVALUATOR) or attempt == MAX_EVAL_ATTEMPTS - 1:
+                    raise
+                log.warning("%s; evaluating again once it is back", err)
+                self.recover(err.actor)
+        raise AssertionError("unreachable")
+
+    async def _evaluate(self, settings: RolloutSettings, final: bool) -> tuple[dict, dict]:
+        # No sync runs during an evaluation (the driver runs both in turn), so this is the version
+        # evaluated; a restarted engine may be behind.
+        version = await self._version(EVALUATED)
+        if version != self.version:
+            log.warning("%s holds weights version %d, not %d (it missed a sync): evaluating what it holds",
+                        EVALUATED, version, self.version)
+        timeout_s = self.timeout_s[Role.POLICY]
+        metrics, result = await call(self.members[EVALUATOR].evaluate.remote(self.members[EVALUATED], EVALUATED, final,
+                                                                            timeout_s, settings),
+                                     timeout_s=settings.play_limit_s, what="evaluate", actor=EVALUATOR)
+        row = {f"eval_{name}": value for name, value in metrics.items()}
+        return dict(result, policy_version=version), dict(row, eval_policy_version=version)
+
+    async def check_sync(self, trainer, prompts: list[str], *, seed: int, tolerance: float) -> dict:
+        """policy-0 against ``trainer`` on ``prompts`` right after a sync (``sync_check.check``);
+        nothing (and a warning) when policy-0 is down or missed the sync: the next check compares again."""
+        try:
+            if self.down(EVALUATED) or await self._version(EVALUATED) != self.version:
+                log.warning("%s is restarting or missed the sync of version %d; the sync check waits for the "
+                            "next one", EVALUATED, self.version)
+                return {}
+            return await sync_check.check(self.members[EVALUATED], EVALUATED, trainer, prompts, seed=seed,
+                                          tolerance=tolerance, timeout_s=self.timeout_s[Role.POLICY])
+        except RemoteCallError as err:
+            if not err.died or err.actor != EVALUATED:  # a dead trainer rank stops the run
+                raise
+            log.warning("%s; the sync check waits for the next one", err)
+            self.recover(err.actor)
+            return {}
+
+    async def _version(self, name: ActorId) -> int:
+        return await call(self.members[name].get_version.remote(), timeout_s=60, what="get_version", actor=name)
 
 
 def _actor_state(handle) -> tuple[int, bool] | None:

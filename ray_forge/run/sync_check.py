@@ -16,6 +16,7 @@ import asyncio
 import logging
 
 from ray_forge.core.episode import Scored, Turn
+from ray_forge.identity import ActorId
 from ray_forge.remote import call
 
 log = logging.getLogger(__name__)
@@ -31,14 +32,14 @@ def compare(greedy: list[Turn], greedy_scored: list[Scored], sampled: list[Turn]
     return dict(sync_greedy_agreement=agree / max(1, len(greedy)), sync_logprob_max_diff=max(diffs, default=0.0))
 
 
-async def check(policy, trainer, prompts: list[str], *, seed: int, tolerance: float, timeout_s: float,
-                name: str = "policy-0") -> dict[str, float]:
-    """Ask ``policy`` (an engine actor) and ``trainer`` (a TrainerGroup) about ``prompts``; log an
+async def check(policy, name: ActorId, trainer, prompts: list[str], *, seed: int, tolerance: float,
+                timeout_s: float) -> dict[str, float]:
+    """Ask ``policy`` (the engine actor ``name``) and ``trainer`` (a TrainerGroup) about ``prompts``; log an
     error when they disagree beyond ``tolerance``."""
     # Ahead of the rollouts' requests (priority -1): the training loop waits for this check.
     greedy, sampled = await asyncio.gather(
-        call(policy.generate.remote(prompts, True, None, -1), timeout_s=timeout_s, what=f"{name}.generate"),
-        call(policy.generate.remote(prompts, False, seed, -1), timeout_s=timeout_s, what=f"{name}.generate"))
+        call(policy.generate.remote(prompts, True, None, -1), timeout_s=timeout_s, what="generate", actor=name),
+        call(policy.generate.remote(prompts, False, seed, -1), timeout_s=timeout_s, what="generate", actor=name))
     scored = await trainer.score([(t.prompt_ids, t.response_ids) for t in greedy + sampled])
     row = compare(greedy, scored[:len(greedy)], sampled, scored[len(greedy):])
     if row["sync_greedy_agreement"] < 1.0 or row["sync_logprob_max_diff"] > tolerance:

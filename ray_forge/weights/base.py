@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 import torch
 
 from ray_forge.config import check_engine_transport
+from ray_forge import identity
 from ray_forge.weights.layout import Bucket
 
 TRANSPORTS = ("shm", "object_store", "nixl", "collective", "torchstore")
@@ -46,7 +47,7 @@ class StoreSpec:
     """Unique per run: names the controller actor and the shared-memory folder."""
     transport: str
     """One of :data:`TRANSPORTS` (already resolved; 'auto' is decided at launch)."""
-    sender: str = "trainer-0"
+    sender: str = str(identity.trainer(0))
     """The process that puts versions when one process puts the whole state dict; named in errors."""
     senders: tuple[str, ...] = ()
     """The trainer ranks that each put their own shards, in rank order; named in errors about a

@@ -1,0 +1,28 @@
+"""A finished GRPO run's summary: its final evaluation, where every engine ended, how weights
+reached them, the env's pictures; written to ``eval.json`` (which marks the run finished)."""
+
+from __future__ import annotations
+
+import json
+
+from ray_forge.actors.launch import Actors
+from ray_forge.core.env import EnvSetup
+from ray_forge.observe.metrics import read_metrics
+from ray_forge.remote import get
+from ray_forge.run.checkpoints import METRICS, Progress
+from ray_forge.run.directory import FINISHED_FILE, Run
+from ray_forge.run.fleet import EVALUATED, Fleet
+
+
+def summarize(run: Run, env: EnvSetup, actors: Actors, fleet: Fleet, progress: Progress, final: dict,
+                    final_row: dict) -> dict:
+    """The summary of ``final`` (the final evaluation's whole result, ``final_row`` its metrics)."""
+    versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
+    route = get(actors.policies[0].weights_route.remote(), timeout_s=60, what="weights_route", actor=EVALUATED)
+    pictures = env.pictures(run.run_dir, read_metrics(run.run_dir / METRICS), final)
+    summary = dict(final, **final_row, run_dir=str(run.run_dir), steps=run.config.run.steps, policy_versions=versions,
+                   weight_transport=actors.store.spec.transport, weight_route=route,
+                   pictures=[str(p) for p in pictures],
+                   best_eval_return=progress.best.get("eval_return"), best_step=progress.best.get("step"))
+    (run.run_dir / FINISHED_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
