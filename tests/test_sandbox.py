@@ -421,12 +421,16 @@ def test_the_sandbox_runs_as_an_unprivileged_uid(host):
 
 
 # Fail closed: the host process runs under a seccomp filter (as a container profile would be) that
-# refuses one thing the sandbox needs; the sandbox must refuse to start and say what is missing.
+# refuses the calls named (EPERM) and allows the rest, or under no filter when none is named; the
+# sandbox must refuse to start and say what is missing.
 _START_UNDER_FILTER = """
 import sys
 sys.path.insert(0, {root!r})
-from envs.code import _seccomp
-_seccomp.install(_seccomp.build({denied!r}, refuse_new_namespaces=False))
+from envs.code import _bpf, _seccomp, _syscalls
+if {refused!r}:
+    numbers = _syscalls.native().NUMBERS
+    refuse = [_bpf.jump(_bpf.JEQ, numbers[name], then="refuse") for name in {refused!r}]
+    _seccomp.install(_bpf.assemble([_bpf.load(0), *refuse, _bpf.ret(0x7FFF0000), "refuse", _bpf.ret(0x00050001)]))
 from envs.code.sandbox import LocalSandbox, SandboxUnavailable
 try:
     LocalSandbox(size=1).close()
@@ -436,29 +440,47 @@ except SandboxUnavailable as err:
 """
 
 
-@pytest.mark.parametrize("denied, named", [
-    ({"unshare": 272}, "unshare(CLONE_NEWUSER"),
-    ({"mount": 165}, "mount of"),
-    ({"seccomp": 317}, "seccomp"),
-    ({"pivot_root": 155}, "pivot_root"),
+def start_under_filter(refused: list[str], prefix: tuple[str, ...] = ()) -> str:
+    """What a sandbox started in a process under that filter said ("STARTED" or "REFUSED <why>")."""
+    script = _START_UNDER_FILTER.format(root=str(ROOT), refused=refused)
+    out = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith(("STARTED", "REFUSED")), out.stdout + out.stderr
+    return out.stdout
+
+
+def test_a_host_filter_that_refuses_nothing_the_sandbox_needs_lets_it_start():
+    """The control for the refusals below: the same filter, refusing a call the sandbox never makes."""
+    assert start_under_filter(["acct"]).startswith("STARTED")
+
+
+@pytest.mark.parametrize("refused, named", [
+    (["unshare"], "unshare(CLONE_NEWUSER"),
+    (["mount"], "mount of"),
+    (["seccomp"], "seccomp"),
+    (["pivot_root"], "pivot_root"),
+    (["prctl"], "prctl("),
 ])
-def test_without_what_isolation_needs_the_sandbox_refuses_to_start(denied, named):
-    out = subprocess.run([sys.executable, "-c", _START_UNDER_FILTER.format(root=str(ROOT), denied=denied)],
-                         capture_output=True, text=True, timeout=60)
-    assert out.stdout.startswith("REFUSED"), out.stdout + out.stderr
-    assert named in out.stdout and "isolation 'full'" in out.stdout
-    if named != "seccomp":
-        assert "seccompProfile" in out.stdout and "env.options.code.isolation: none" in out.stdout  # how to get it
+def test_without_what_isolation_needs_the_sandbox_refuses_to_start(refused, named):
+    said = start_under_filter(refused)
+    assert said.startswith("REFUSED") and named in said and "isolation 'full'" in said, said
+    if refused[0] in ("unshare", "mount", "pivot_root"):
+        assert "seccompProfile" in said and "env.options.code.isolation: none" in said  # how to get it
+
+
+def test_on_an_architecture_without_a_syscall_table_full_isolation_refuses_to_start():
+    """setarch i686 makes uname say i686 to the sandbox's processes: the filter has no table for it
+    (its every call would be killed), so the sandbox refuses, naming the architecture."""
+    said = start_under_filter([], prefix=("setarch", "i686"))
+    assert said.startswith("REFUSED") and "this is i686" in said and "x86_64" in said and "aarch64" in said, said
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to drop CAP_SETUID from root")
 def test_root_without_cap_setuid_is_refused_not_run_as_root():
     """Root in a pod with its capabilities dropped cannot map the sandbox to another uid; running
     it as root would lift the process limit, so the sandbox refuses."""
-    script = _START_UNDER_FILTER.format(root=str(ROOT), denied={})
-    out = subprocess.run(["setpriv", "--bounding-set=-setuid,-setgid", "--inh-caps=-setuid,-setgid", "--",
-                          sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.stdout.startswith("REFUSED") and "CAP_SETUID" in out.stdout, out.stdout + out.stderr
+    said = start_under_filter([], prefix=("setpriv", "--bounding-set=-setuid,-setgid", "--inh-caps=-setuid,-setgid",
+                                          "--"))
+    assert said.startswith("REFUSED") and "CAP_SETUID" in said, said
 
 
 def test_isolation_none_is_an_explicit_opt_in_and_says_so(caplog):
@@ -494,12 +516,88 @@ def test_no_process_outside_the_execution_is_visible_to_tamper_with(host):
 
 def test_memory_the_kernel_would_keep_or_share_is_refused(host):
     """System V shared memory, message queues, semaphores and memfd are outside every rlimit, and
-    the first two outlive the execution; flock on the read-only files is a channel between sandboxes."""
-    shared_file = "fd = os.open('/usr/lib/os-release' if os.path.exists('/usr/lib/os-release') else '/dev/null', 0)\n"
+    the first two outlive the execution; locks on the read-only files (flock, and fcntl's record and
+    open-file locks, set or queried) are a channel between sandboxes."""
+    shared_file = ("fd = os.open('/usr/lib/os-release' if os.path.exists('/usr/lib/os-release') else '/dev/null', 0)\n"
+                   "lock = ctypes.create_string_buffer(32)  # struct flock: a read lock on the whole file\n")
     refused_calls(host, {"shmget": "shmget(0x5EC7, 1 << 20, 0o1666)", "msgget": "msgget(0x5EC7, 0o1666)",
                          "semget": "semget(0x5EC7, 1, 0o1666)", "mq_open": "mq_open(b'/q', 0o100 | 2, 0o600, None)",
-                         "memfd": "memfd_create(b'm', 0)", "flock": "flock(fd, 2 | 4)"}, shared_file)
+                         "memfd": "memfd_create(b'm', 0)", "flock": "flock(fd, 2 | 4)",
+                         "F_SETLK": "fcntl(fd, 6, lock)", "F_GETLK": "fcntl(fd, 5, lock)",
+                         "F_OFD_SETLK": "fcntl(fd, 37, lock)"}, shared_file)
     still_correct(host)
+
+
+def raw_calls(calls: dict[str, str]) -> str:
+    """A program that makes each call (name -> its arguments) by number, as this machine numbers it,
+    and prints ``name result errno``."""
+    from envs.code import _syscalls
+
+    numbers = _syscalls.native().NUMBERS
+    return "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n" + "".join(
+        f"print({name!r}, libc.syscall({numbers[name]}, {args}), ctypes.get_errno())\n" for name, args in calls.items())
+
+
+def answers(result: ExecResult) -> dict[str, str]:
+    return dict(line.split(" ", 1) for line in result.stdout.splitlines())
+
+
+# Calls no program here needs that the old denylist let through, with arguments that make them work.
+UNNEEDED = {"io_setup": "1, ctypes.byref(ctypes.c_ulong(0))", "inotify_init1": "0", "sync": "",
+            "setxattr": "b'.', b'user.x', b'1', 1, 0", "mbind": "0, 0, 0, None, 0, 0"}
+
+
+@pytest.fixture(scope="module")
+def unfiltered():
+    """Isolation none: the same calls without the filter, to show that they work there."""
+    with LocalSandbox(size=1, limits=LIMITS, isolation="none") as box:
+        yield box
+
+
+def test_calls_off_the_allowlist_are_refused_even_those_the_old_denylist_let_through(host, unfiltered):
+    """The filter is an allowlist. Calls Python never makes (kexec_load, add_key, the new mount API)
+    are refused with EPERM, and so are calls the old denylist allowed that no program here needs:
+    an AIO context, inotify, sync, setting an extended attribute, a NUMA policy. Without the
+    filter, the same calls run."""
+    never = {"kexec_load": "0, 0, None, 0", "add_key": "b'user', b'k', b'v', 1, -3", "fsopen": "b'tmpfs', 0"}
+    refused = answers(host.execute(raw_calls(never | UNNEEDED)))
+    assert refused == dict.fromkeys(never | UNNEEDED, "-1 1"), refused
+    ran = answers(unfiltered.execute(raw_calls(UNNEEDED)))
+    assert set(ran) == set(UNNEEDED) and "-1 1" not in ran.values(), ran  # none refused with EPERM
+    assert ran["io_setup"] == "0 0" and int(ran["inotify_init1"].split()[0]) > 2, ran
+    still_correct(host)
+
+
+def test_clone3_and_calls_newer_than_the_table_answer_enosys_so_libc_falls_back(host, unfiltered):
+    """glibc creates threads with clone3 and falls back to clone on ENOSYS; a call added after the
+    table was generated (fchmodat2, 452, Linux 6.6) answers ENOSYS too, as on an older kernel, so
+    libc uses the older form. Threads still start."""
+    from envs.code import _syscalls
+
+    newer = max(_syscalls.native().NUMBERS.values()) + 2
+    code = (raw_calls({"clone3": "None, 0"}) + f"print('newer', libc.syscall({newer}, -100, b'x', 0o600, 0), "
+            "ctypes.get_errno())\nimport threading\nthreading.Thread(target=print, args=('thread', 'ran')).start()\n")
+    result = host.execute(code)
+    assert answers(result) == {"clone3": "-1 38", "newer": "-1 38", "thread": "ran"}, result
+    ran = answers(unfiltered.execute(code))
+    assert ran["clone3"] == "-1 22" and ran["thread"] == "ran", ran  # EINVAL: the kernel read the call
+    if tuple(map(int, os.uname().release.split(".")[:2])) >= (6, 6):
+        assert ran["newer"] == "-1 2", ran  # ENOENT: fchmodat2 ran
+
+
+def test_argument_checks_refuse_namespaces_terminal_injection_and_leases(host):
+    """clone with a namespace flag (the filter reads clone's flags; clone3's are behind a pointer),
+    ioctl TIOCSTI (pushing input into a terminal), fcntl F_SETLEASE and F_SETOWN: refused; the
+    commands Python uses still work (os.set_inheritable needs FIOCLEX)."""
+    from envs.code import _syscalls
+
+    clone = _syscalls.native().NUMBERS["clone"]
+    refused_calls(host, {"clone_newnet": f"syscall({clone}, 0x40000000 | 17, 0, 0, 0, 0)",
+                         "clone_newuser": f"syscall({clone}, 0x10000000 | 17, 0, 0, 0, 0)",
+                         "tiocsti": "ioctl(1, 0x5412, b'x')", "lease": "fcntl(0, 1024, 0)", "owner": "fcntl(0, 8, 1)"})
+    result = host.execute("import os\nr, w = os.pipe()\nos.set_inheritable(r, True)\nos.set_blocking(w, False)\n"
+                          "print(os.get_inheritable(r), os.get_blocking(w), os.isatty(1), os.dup(r) > r)")
+    assert result.ok and result.stdout == "True False False True\n", result
 
 
 def test_a_program_posing_as_a_sandbox_failure_only_fails_itself(host):
@@ -556,12 +654,7 @@ def test_an_execution_that_ended_and_was_reaped_before_its_pid_arrived_is_still_
     """Full isolation: the template forks each execution's keeper and reaps it; a fast program can
     end, and be reaped, before the zygote opens a pidfd on it (seen once in 72 executions of a job
     on a loaded machine, as "sandbox failure: ProcessLookupError"). Its output is still read."""
-    import importlib.util
-    import types
-
-    spec = importlib.util.spec_from_file_location("_zygote", Path(__file__).resolve().parent.parent / "envs/code/_zygote.py")
-    _zygote = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(_zygote)  # standard library only; it finds its own helpers beside it
+    from envs.code import _runner
 
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -573,7 +666,7 @@ def test_an_execution_that_ended_and_was_reaped_before_its_pid_arrived_is_still_
     os.close(out_w), os.close(err_w)
     with pytest.raises(ProcessLookupError):
         os.pidfd_open(pid)
-    out, err, stopped = _zygote.Zygote._collect(types.SimpleNamespace(full=True), pid, out_r, err_r,
-                                                time.monotonic() + 5, 1024)
-    assert (out, err, stopped) == (b"7\n", b"", None)
+    ended = []
+    out, err, stopped = _runner.collect(pid, out_r, err_r, time.monotonic() + 5, 1024, ended.append)
+    assert (out, err, stopped, ended) == (b"7\n", b"", None, [])
     os.close(out_r), os.close(err_r)

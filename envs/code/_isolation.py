@@ -14,6 +14,8 @@ import ctypes
 import errno
 import os
 
+from envs.code._syscalls import syscall_number
+
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID
@@ -21,7 +23,6 @@ NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_N
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 _MNT_DETACH = 2
-_SYS_PIVOT_ROOT, _SYS_CAPSET = 155, 126
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
 # statvfs flag -> mount flag, for the flags a bind remount inside a user namespace must keep.
 _KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
@@ -129,7 +130,7 @@ def build_root(new_root: str, sources: list[tuple[str, int | str]]) -> None:
         os.close(source)
     os.makedirs(new_root + "/tmp", mode=0o755)
     os.chdir(new_root)
-    _check(_libc.syscall(_SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    _check(_libc.syscall(syscall_number("pivot_root"), b".", b"."), "pivot_root")  # no libc wrapper
     _check(_libc.umount2(b".", _MNT_DETACH), "detaching the old root")
     os.chdir("/")
     _remount_read_only("/", MS_NOSUID | MS_NODEV)
@@ -156,4 +157,5 @@ def drop_capabilities() -> None:
     """No capability left, even inside the sandbox's own namespaces (so no mount, no remount)."""
     header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
     data = (_CapData * 2)()
-    _check(_libc.syscall(_SYS_CAPSET, ctypes.byref(header), ctypes.byref(data)), "capset (dropping capabilities)")
+    _check(_libc.syscall(syscall_number("capset"), ctypes.byref(header), ctypes.byref(data)),
+           "capset (dropping capabilities)")

@@ -1,107 +1,173 @@
-"""A seccomp filter for sandboxed executions, built as classic BPF with the standard library alone.
+"""The seccomp filter of sandboxed executions: an allowlist of the syscalls a Python interpreter
+running candidate code needs, for x86_64 and aarch64 (standard library only).
 
-The sandbox's namespaces already hide the machine; the filter removes the kernel surface that
-candidate code never needs and that an attacker would use to leave them or to reach across them:
-tracing, mounting, new namespaces, module and kexec loading, keyrings, eBPF, io_uring (whose
-operations bypass seccomp), raw and network sockets, and exec. Each refused call fails with EPERM
-(clone3 with ENOSYS, so libc falls back to clone, whose namespace flags are checked). A process of
-another architecture (x32, i386 ABI) is killed: its syscall numbers are not the ones checked here.
+The sandbox's namespaces already hide the machine; the filter keeps the kernel's surface to what
+Python's standard library uses on files, memory, time, signals, threads and child processes. So
+tracing, mounts, new namespaces, sockets, exec, keyrings, eBPF, perf, io_uring, memory that no rlimit
+counts (memfd, System V IPC, message queues), file locks (a channel between sandboxes through the
+read-only files they share) and every syscall added to the kernel later stay out without being named.
 
-The module is also used by tests to build filters that make the sandbox's own setup fail.
+The program reads the architecture field first and checks the call against that architecture's
+table (``_syscalls_*.py``, generated from the kernel's headers). Any other architecture or ABI
+(i386, x32, 32-bit arm) is killed: its numbers name other calls. A refused call fails with EPERM, or
+ENOSYS where libc then falls back: clone3 (glibc uses clone, whose namespace flags are checked)
+and numbers past the table (newer calls, which libc tries before their older forms).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import struct
+from dataclasses import dataclass
 
-# x86_64 syscall numbers.
-DENIED = {
-    "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_open": 434, "pidfd_getfd": 438,
-    "pidfd_send_signal": 424, "kcmp": 312,
-    "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "unshare": 272, "setns": 308,
-    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-    "mount_setattr": 442, "name_to_handle_at": 303, "open_by_handle_at": 304,
-    "kexec_load": 246, "kexec_file_load": 320, "reboot": 169, "init_module": 175, "finit_module": 313,
-    "delete_module": 176, "swapon": 167, "swapoff": 168, "acct": 163, "quotactl": 179, "quotactl_fd": 443,
-    "keyctl": 250, "add_key": 248, "request_key": 249, "bpf": 321, "perf_event_open": 298,
-    "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-    "socket": 41, "socketpair": 53, "execve": 59, "execveat": 322,
-    "settimeofday": 164, "clock_settime": 227, "adjtimex": 159, "clock_adjtime": 305,
-    "sethostname": 170, "setdomainname": 171, "iopl": 172, "ioperm": 173, "personality": 135,
-    "uselib": 134, "syslog": 103, "fanotify_init": 300, "lookup_dcookie": 212, "mknod": 133, "mknodat": 259,
-    "statmount": 457, "listmount": 458, "process_madvise": 440, "process_mrelease": 448, "migrate_pages": 256,
-    "move_pages": 279, "get_robust_list": 274,
-    # Memory no rlimit counts, kept by the kernel after the execution ends, and shared between
-    # executions: memfd, System V IPC, POSIX message queues. And flock, a channel between sandboxes
-    # through the read-only files they share.
-    "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67,
-    "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70,
-    "msgctl": 71, "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243,
-    "mq_notify": 244, "mq_getsetattr": 245, "flock": 73,
+from envs.code._bpf import JEQ, JGE, JGT, JSET, assemble, goto, jump, load, ret
+from envs.code._syscalls import TABLES, native, syscall_number
+
+ALLOWED = frozenset({
+    # Memory.
+    "brk", "mmap", "munmap", "mremap", "mprotect", "madvise", "msync",
+    # Files and folders: its read-only root and its own /tmp.
+    "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2",
+    "lseek", "open", "openat", "close", "close_range", "stat", "fstat", "lstat", "newfstatat", "statx",
+    "access", "faccessat", "faccessat2", "readlink", "readlinkat", "getdents64", "getcwd", "chdir", "fchdir",
+    "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat",
+    "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "truncate", "ftruncate", "fallocate", "fsync",
+    "fdatasync", "utimensat", "umask", "statfs", "fstatfs", "sendfile", "copy_file_range",
+    "dup", "dup2", "dup3", "pipe", "pipe2",
+    # Reading extended attributes: shutil.copy2 and copytree list them and fail on EPERM.
+    "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr",
+    # Waiting on descriptors (select, selectors).
+    "poll", "ppoll", "select", "pselect6", "epoll_create1", "epoll_ctl", "epoll_wait", "epoll_pwait",
+    # Time, signals and timers.
+    "clock_gettime", "clock_getres", "clock_nanosleep", "nanosleep", "gettimeofday", "time",
+    "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigpending", "rt_sigtimedwait", "rt_sigsuspend",
+    "sigaltstack", "restart_syscall", "kill", "tgkill", "tkill", "pause", "alarm", "setitimer", "getitimer",
+    # Processes and threads, inside its own PID namespace and under its rlimits.
+    "wait4", "waitid", "exit", "exit_group", "getpid", "getppid", "gettid", "getuid", "geteuid", "getgid",
+    "getegid", "getresuid", "getresgid", "getgroups", "setsid", "setpgid", "getpgid", "getpgrp", "getsid",
+    "set_tid_address", "set_robust_list", "rseq", "futex", "sched_yield", "sched_getaffinity", "getcpu",
+    "getpriority", "setpriority", "getrlimit", "setrlimit", "prlimit64", "getrusage", "times",
+    # What the machine is, and randomness.
+    "uname", "sysinfo", "getrandom",
+})
+"""Calls allowed whatever their arguments; ``CHECKS`` holds those allowed with some arguments only."""
+ABSENT = {
+    "x86_64": frozenset(),
+    "aarch64": frozenset({"open", "stat", "lstat", "access", "readlink", "mkdir", "rmdir", "unlink", "rename",
+                          "link", "symlink", "chmod", "dup2", "pipe", "poll", "select", "epoll_wait", "pause",
+                          "alarm", "getpgrp", "time"}),
 }
-_CLONE, _CLONE3 = 56, 435
+"""Allowed calls an architecture lacks: aarch64's libc uses the *at forms, ppoll, pselect6,
+epoll_pwait, rt_sigsuspend and setitimer instead."""
+FALLBACK = ("clone3",)
+"""Refused with ENOSYS, so that glibc falls back: on clone, whose flags the filter can read (clone3's
+are behind a pointer)."""
+
+
+@dataclass(frozen=True)
+class ArgumentCheck:
+    """A call allowed only with some values of one argument (its low 32 bits: all the kernel reads
+    of ioctl's and fcntl's commands, and where every namespace flag of clone lies)."""
+
+    syscall: str
+    arg: int
+    one_of: frozenset[int] = frozenset()
+    """Allowed values (empty: any value without a bit of ``none_of``)."""
+    none_of: int = 0
+    """Bits the argument must not have."""
+
+    def program(self, allow: str, refuse: str) -> list:
+        program = [load(_ARG0 + 8 * self.arg)]
+        if self.none_of:
+            return program + [jump(JSET, self.none_of, then=refuse, otherwise=allow)]
+        return program + [jump(JEQ, value, then=allow) for value in sorted(self.one_of)] + [goto(refuse)]
+
+
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
-_CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
-_AUDIT_ARCH_X86_64 = 0xC000003E
-_X32_BIT = 0x40000000
+CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
+CHECKS = (
+    ArgumentCheck("clone", 0, none_of=CLONE_NAMESPACES),
+    # TCGETS (isatty), TIOCGWINSZ, FIONREAD, FIONBIO, FIONCLEX and FIOCLEX (os.set_inheritable raises
+    # unless they answer); the same numbers on both architectures (asm-generic/ioctls.h).
+    ArgumentCheck("ioctl", 1, one_of=frozenset({0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451})),
+    # F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_SETFL, F_DUPFD_CLOEXEC: no record or open-file locks
+    # (refused like flock), leases, notifications or signal owners.
+    ArgumentCheck("fcntl", 1, one_of=frozenset({0, 1, 2, 3, 4, 1030})),
+)
+FOREIGN_ABI_FROM = {"x86_64": 0x40000000}
+"""Numbers from here on belong to another ABI under the same audit architecture (x32): killed."""
 
-_LD_ABS_W, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_NR, _ARCH, _ARG0 = 0, 4, 16  # offsets in struct seccomp_data
 _RET_KILL_PROCESS, _RET_ALLOW, _RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
-_OFFSET_NR, _OFFSET_ARCH, _OFFSET_ARG0 = 0, 4, 16
-_PR_SET_NO_NEW_PRIVS, _SYS_SECCOMP, _SECCOMP_SET_MODE_FILTER = 38, 317, 1
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
+_CHAIN = 200  # comparisons between two "allow" returns: a conditional jump reaches 255 ahead
+_PR_SET_NO_NEW_PRIVS, _SECCOMP_SET_MODE_FILTER = 38, 1
 
 
 class SeccompError(OSError):
-    pass
+    """The filter cannot be built or installed: full isolation does not start."""
 
 
-def build(denied: dict[str, int] | None = None, refuse_new_namespaces: bool = True) -> bytes:
-    """The filter program: ``denied`` syscalls fail with EPERM, everything else is allowed."""
-    denied = DENIED if denied is None else denied
-    # Instructions as (code, jump-if-true label, jump-if-false label, k); labels resolved below.
-    program: list[tuple[int, str | None, str | None, int]] = [
-        (_LD_ABS_W, None, None, _OFFSET_ARCH),
-        (_JEQ, None, "kill", _AUDIT_ARCH_X86_64),
-        (_LD_ABS_W, None, None, _OFFSET_NR),
-        (_JGE, "eperm", None, _X32_BIT),
-    ]
-    program += [(_JEQ, "eperm", None, number) for number in sorted(set(denied.values()))]
-    if refuse_new_namespaces:
-        program += [(_JEQ, "enosys", None, _CLONE3),
-                    (_JEQ, None, "allow", _CLONE),
-                    (_LD_ABS_W, None, None, _OFFSET_ARG0),
-                    (_JSET, "eperm", "allow", _CLONE_NAMESPACES)]
-    labels = {"allow": _RET_ALLOW, "eperm": _RET_ERRNO | errno.EPERM, "enosys": _RET_ERRNO | errno.ENOSYS,
-              "kill": _RET_KILL_PROCESS}
-    ends = {name: len(program) + i for i, name in enumerate(labels)}
-    program += [(_RET, None, None, k) for k in labels.values()]
+def allowed_on(arch: str) -> dict[str, int]:
+    """The allowlist's numbers on ``arch``, by name."""
+    numbers, names = TABLES[arch].NUMBERS, ALLOWED - ABSENT[arch]
+    missing = sorted(name for name in names if name not in numbers)
+    if missing:
+        raise SeccompError(f"allowed syscalls missing from the {arch} table: {missing}")
+    return {name: numbers[name] for name in names}
 
-    def offset(at: int, label: str | None) -> int:
-        return 0 if label is None else ends[label] - at - 1
 
-    return b"".join(struct.pack("HBBI", code, offset(i, jt), offset(i, jf), k)
-                    for i, (code, jt, jf, k) in enumerate(program))
+def build() -> bytes:
+    """The filter program, for every architecture with a table; refuses to build on a machine
+    whose own architecture has none (its every call would be killed)."""
+    native()
+    program: list = [load(_ARCH)]
+    for arch, table in TABLES.items():
+        program += [jump(JEQ, table.AUDIT_ARCH, otherwise=f"not {arch}"), goto(arch), f"not {arch}"]
+    program.append(ret(_RET_KILL_PROCESS))
+    for arch in TABLES:
+        program += _arch_program(arch)
+    return assemble(program)
+
+
+def _arch_program(arch: str) -> list:
+    """The checks of one architecture's calls, starting at the label ``arch``."""
+    numbers = TABLES[arch].NUMBERS
+    at = (lambda label: f"{arch} {label}")
+    program: list = [arch, load(_NR)]
+    if arch in FOREIGN_ABI_FROM:
+        program.append(jump(JGE, FOREIGN_ABI_FROM[arch], then=at("kill")))
+    program.append(jump(JGT, max(numbers.values()), then=at("enosys")))
+    program += [jump(JEQ, numbers[name], then=at("enosys")) for name in FALLBACK]
+    program += [jump(JEQ, numbers[check.syscall], then=at(check.syscall)) for check in CHECKS]
+    program.append(goto(at("list")))
+    for check in CHECKS:
+        program += [at(check.syscall), *check.program(allow=at("allow"), refuse=at("eperm"))]
+    program += [at("kill"), ret(_RET_KILL_PROCESS), at("enosys"), ret(_RET_ERRNO | errno.ENOSYS),
+                at("eperm"), ret(_RET_ERRNO | errno.EPERM), at("allow"), ret(_RET_ALLOW), at("list")]
+    listed = sorted(allowed_on(arch).values())
+    for start in range(0, len(listed), _CHAIN):
+        allow, after = at(f"allow {start}"), at(f"after {start}")
+        program += [jump(JEQ, number, then=allow) for number in listed[start:start + _CHAIN]]
+        program += [goto(after), allow, ret(_RET_ALLOW), after]
+    return program + [ret(_RET_ERRNO | errno.EPERM)]
 
 
 class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
 def install(program: bytes) -> None:
     """Apply ``program`` to this thread and its future children, for good (no new privileges
-    either, so nothing exec'd later can drop it)."""
-    libc = _libc
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    either, so nothing exec'd later could drop it)."""
+    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise SeccompError(err, f"prctl(PR_SET_NO_NEW_PRIVS) failed: {errno.errorcode.get(err, err)}")
     buffer = ctypes.create_string_buffer(program, len(program))
     fprog = _SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    if libc.syscall(_SYS_SECCOMP, _SECCOMP_SET_MODE_FILTER, 0, ctypes.byref(fprog)) != 0:
+    if _libc.syscall(syscall_number("seccomp"), _SECCOMP_SET_MODE_FILTER, 0, ctypes.byref(fprog)) != 0:
         err = ctypes.get_errno()
         raise SeccompError(err, f"installing the seccomp filter failed ({errno.errorcode.get(err, err)}): "
                                 "the kernel needs CONFIG_SECCOMP_FILTER, and the container's own seccomp "

@@ -1,18 +1,19 @@
 """A local sandbox for model-written Python: one forked process per execution, from a warm pool.
 
-Each execution runs in a fresh child of a pre-started interpreter (``_zygote.py``), so it does not
-pay a cold Python start. Isolation is stated, never guessed:
+Each execution runs in a fresh child of a pre-started interpreter (``_zygote.py``, or
+``_runner_none.py`` for isolation none), so it does not pay a cold Python start. Isolation is
+stated, never guessed:
 
 - ``full`` (the default): each interpreter lives in its own user, mount, network, IPC, UTS and PID
   namespaces, mapped to an unprivileged uid outside; it sees a read-only root of only Python's
   installation and the system libraries (no /proc, /sys, /dev/shm, /etc, home or data
   directories); each execution runs in a PID namespace of its own (it cannot see the zygote that
   forks the next one, and its first process's end kills every process it started), with its own
-  size-limited /tmp, no capabilities, a seccomp filter (no sockets, exec, tracing, mounts, new
-  namespaces, keyrings, eBPF, io_uring, memfd, System V IPC, flock), and limits on CPU, memory,
-  processes, open files, disk, output and wall clock. It needs no root, only a kernel that
-  allows unprivileged user namespaces; where it cannot be had, :class:`LocalSandbox` refuses to
-  start and says what is missing.
+  size-limited /tmp, no capabilities, a seccomp filter (an allowlist of the calls Python needs, on
+  x86_64 and aarch64: no sockets, exec, tracing, mounts, new namespaces, keyrings, eBPF, io_uring,
+  memfd, System V IPC, file locks), and limits on CPU, memory, processes, open files, disk, output
+  and wall clock. It needs no root, only a kernel that allows unprivileged user namespaces; where
+  it cannot be had, :class:`LocalSandbox` refuses to start and says what is missing.
 - ``none``: the limits only, for a developer's own machine, by explicit choice.
 
 Output comes back through pipes opened before the fork; the host never opens a path the executed
@@ -35,41 +36,23 @@ from pathlib import Path
 from typing import Protocol
 
 from envs.code._isolation import ROOT_WITHOUT_CAPS
+from envs.code.limits import Limits
+
+__all__ = ["ExecResult", "Executor", "Limits", "LocalSandbox", "SandboxError", "SandboxUnavailable"]
 
 logger = logging.getLogger(__name__)
 
-_ZYGOTE = str(Path(__file__).with_name("_zygote.py"))
+# The interpreter each isolation level runs: full isolation's zygote, or the limits-only runner.
+_RUNNERS = {"full": str(Path(__file__).with_name("_zygote.py")),
+            "none": str(Path(__file__).with_name("_runner_none.py"))}
 # The interpreter's environment: nothing from ours, so no key or token can reach executed code.
 _CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
               "PYTHONHASHSEED": "0"}
-ISOLATION_LEVELS = ("full", "none")
+ISOLATION_LEVELS = tuple(_RUNNERS)
 _STARTUP_REPLY_BYTES = 64 * 1024
 QUEUE_DEPTH = 64
 """Executions that may wait for an interpreter at once (an env actor's turn threads, when its
 games call the python tool): how long a wait for a free interpreter may last follows from it."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    wall_s: float = 10.0
-    """Wall clock for the whole execution, every process it started included."""
-    cpu_s: float = 5.0
-    """CPU seconds of each of its processes (rlimits are per process: the execution as a whole uses
-    at most max_processes x cpu_s, and never more than the cores give in wall_s)."""
-    memory_mb: int = 512
-    """Address space of each of its processes; the execution as a whole maps at most
-    max_processes x memory_mb, plus its /tmp (disk_mb). Memory that no rlimit counts (memfd, System
-    V IPC, message queues) is refused."""
-    output_bytes: int = 64 * 1024
-    """Bytes kept from stdout (and stderr); writing more ends the execution."""
-    max_processes: int = 8
-    """Processes the execution may run at once (counted in the interpreter's user namespace)."""
-    disk_mb: int = 64
-    """Size of the execution's private /tmp (memory-backed), and of any one file it writes."""
-    max_files: int = 2048
-    """Files and directories the execution may create in its /tmp."""
-    max_open_files: int = 64
-    """File descriptors the execution may hold at once."""
 
 
 @dataclass(frozen=True)
@@ -95,10 +78,11 @@ class SandboxUnavailable(SandboxError):
     """The sandbox cannot provide the isolation it was configured with; the message says what is missing."""
 
 
-class _Zygote:
+class _Interpreter:
+    """One warm interpreter of the pool: the runner of its isolation level, started in ``workdir``."""
+
     def __init__(self, isolation: str, ids: tuple[int, int], start_timeout_s: float, workdir: str) -> None:
-        config = json.dumps({"isolation": isolation, "workdir": workdir})
-        self.proc = subprocess.Popen([sys.executable, "-I", "-S", _ZYGOTE, config], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-I", "-S", _RUNNERS[isolation]], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_CLEAN_ENV,
                                      cwd=workdir, text=True, start_new_session=True)
         try:
@@ -142,13 +126,13 @@ class _Zygote:
     def run(self, code: str, limits: Limits) -> dict:
         self.proc.stdin.write(json.dumps({"code": code, "limits": asdict(limits)}) + "\n")
         self.proc.stdin.flush()
-        # The zygote enforces wall_s itself; this is its own bound. A reply holds two outputs of at
+        # The runner enforces wall_s itself; this is its own bound. A reply holds two outputs of at
         # most output_bytes, each byte at most 6 characters once JSON-escaped.
         return self._reply(limits.wall_s + 10, 12 * limits.output_bytes + _STARTUP_REPLY_BYTES)
 
     def kill(self) -> None:
         try:
-            os.killpg(self.proc.pid, 9)  # the launcher and the zygote; the zygote's end ends its namespace
+            os.killpg(self.proc.pid, 9)  # with full isolation the launcher and the zygote, whose end ends its namespace
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=10)
@@ -188,7 +172,7 @@ class LocalSandbox(Executor):
         if isolation == "none":
             logger.warning("code sandbox with isolation 'none': executed code can read, write and reach "
                            "whatever this user can. Use it only on your own machine.")
-        self._idle: queue.Queue[tuple[int, _Zygote]] = queue.Queue()
+        self._idle: queue.Queue[tuple[int, _Interpreter]] = queue.Queue()
         self._closed = False
         try:
             for slot in range(size):
@@ -197,31 +181,31 @@ class LocalSandbox(Executor):
             self.close()
             raise
 
-    def _spawn(self, slot: int) -> _Zygote:
-        return _Zygote(self.isolation, self._ids[slot], self.start_timeout_s, self.workdir)
+    def _spawn(self, slot: int) -> _Interpreter:
+        return _Interpreter(self.isolation, self._ids[slot], self.start_timeout_s, self.workdir)
 
     @property
     def pids(self) -> list[int]:
         """The interpreters' launcher processes (each with its zygote and executions below it)."""
-        return [zygote.proc.pid for _, zygote in list(self._idle.queue)]
+        return [interpreter.proc.pid for _, interpreter in list(self._idle.queue)]
 
     def execute(self, code: str, limits: Limits | None = None) -> ExecResult:
         limits = limits or self.limits
         try:
             # At most QUEUE_DEPTH executions wait for an interpreter, each ahead using its whole wall clock.
-            slot, zygote = self._idle.get(timeout=(limits.wall_s + 10) * -(-QUEUE_DEPTH // len(self._ids)) + 60)
+            slot, interpreter = self._idle.get(timeout=(limits.wall_s + 10) * -(-QUEUE_DEPTH // len(self._ids)) + 60)
         except queue.Empty:
             raise SandboxError("no sandbox interpreter became free in time") from None
         try:
-            reply = zygote.run(code, limits)
+            reply = interpreter.run(code, limits)
         except (SandboxError, OSError, ValueError) as err:
             # The interpreter died or hung: replace it, and report this execution as failed.
-            zygote.kill()
-            zygote = self._spawn(slot)
+            interpreter.kill()
+            interpreter = self._spawn(slot)
             reply = {"stdout": "", "stderr": "", "exit_code": None, "error": f"sandbox failure: {err}",
                      "seconds": 0.0}
         finally:
-            self._idle.put((slot, zygote))
+            self._idle.put((slot, interpreter))
         return ExecResult(**reply)
 
     def close(self) -> None:
