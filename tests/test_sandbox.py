@@ -670,3 +670,22 @@ def test_an_execution_that_ended_and_was_reaped_before_its_pid_arrived_is_still_
     out, err, stopped = _runner.collect(pid, out_r, err_r, time.monotonic() + 5, 1024, ended.append)
     assert (out, err, stopped, ended) == (b"7\n", b"", None, [])
     os.close(out_r), os.close(err_r)
+
+
+def test_a_shared_futex_cannot_be_woken_so_no_sandbox_signals_another_through_libc_s_pages(host):
+    """A shared futex at an address in libc's pages is keyed by the file: a wake from one sandbox
+    would reach another waiting there. Shared wakes are refused; private futexes (every lock and
+    condition of threads) and pthread_join's shared wait still work."""
+    from envs.code import _syscalls
+
+    futex = _syscalls.native().NUMBERS["futex"]
+    page = "ctypes.cast(libc.getpid, ctypes.c_void_p).value & ~0xfff"
+    refused_calls(host, {"shared_wake": f"syscall({futex}, {page}, 1, 1, 0, 0, 0)",
+                         "shared_requeue": f"syscall({futex}, {page}, 3, 1, 1, {page} + 64, 0)"})
+    result = host.execute("import threading\nfrom concurrent.futures import ThreadPoolExecutor\n"
+                          "done = []\nthreads = [threading.Thread(target=done.append, args=(i,)) for i in range(4)]\n"
+                          "[t.start() for t in threads]\n[t.join() for t in threads]\n"
+                          "with ThreadPoolExecutor(4) as pool:\n    squares = sum(pool.map(lambda x: x * x, range(100)))\n"
+                          "cond = threading.Condition()\nwith cond:\n    cond.wait(0.01)\n"
+                          "print(sorted(done), squares)")
+    assert result.ok and result.stdout == "[0, 1, 2, 3] 328350\n", result

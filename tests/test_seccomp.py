@@ -123,6 +123,19 @@ def test_clone_is_allowed_for_threads_and_fork_but_never_with_a_namespace_flag(a
 
 
 @pytest.mark.parametrize("arch", ARCHES)
+def test_a_futex_shared_with_another_sandbox_may_be_waited_on_but_never_woken(arch):
+    """A shared futex at an offset of a file every sandbox maps (libc) would carry bits from one
+    sandbox to another; private futexes (threads, locks) and shared waits (pthread_join) stay."""
+    futex = numbers(arch)["futex"]
+    for op in (0, 9, 0x100, 0x109):  # FUTEX_WAIT, FUTEX_WAIT_BITSET, with FUTEX_CLOCK_REALTIME
+        assert run_filter(audit(arch), futex, 0x1000, op) == ALLOW
+    for cmd in range(14):  # every futex command, private
+        assert run_filter(audit(arch), futex, 0x1000, cmd | 0x80) == ALLOW
+    for op in (1, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 0x101):  # wake, requeue, wake_op, PI, wake_bitset, ... shared
+        assert run_filter(audit(arch), futex, 0x1000, op) == EPERM, hex(op)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
 def test_ioctl_and_fcntl_take_only_the_commands_python_uses(arch):
     ioctl, fcntl = numbers(arch)["ioctl"], numbers(arch)["fcntl"]
     for request in (0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451):  # TCGETS ... FIOCLEX

@@ -45,7 +45,7 @@ ALLOWED = frozenset({
     # Processes and threads, inside its own PID namespace and under its rlimits.
     "wait4", "waitid", "exit", "exit_group", "getpid", "getppid", "gettid", "getuid", "geteuid", "getgid",
     "getegid", "getresuid", "getresgid", "getgroups", "setsid", "setpgid", "getpgid", "getpgrp", "getsid",
-    "set_tid_address", "set_robust_list", "rseq", "futex", "sched_yield", "sched_getaffinity", "getcpu",
+    "set_tid_address", "set_robust_list", "rseq", "sched_yield", "sched_getaffinity", "getcpu",
     "getpriority", "setpriority", "getrlimit", "setrlimit", "prlimit64", "getrusage", "times",
     # What the machine is, and randomness.
     "uname", "sysinfo", "getrandom",
@@ -75,11 +75,15 @@ class ArgumentCheck:
     """Allowed values (empty: any value without a bit of ``none_of``)."""
     none_of: int = 0
     """Bits the argument must not have."""
+    any_with: int = 0
+    """Bits any of which allows the call whatever the rest of the argument (checked before ``one_of``)."""
 
     def program(self, allow: str, refuse: str) -> list:
         program = [load(_ARG0 + 8 * self.arg)]
         if self.none_of:
             return program + [jump(JSET, self.none_of, then=refuse, otherwise=allow)]
+        if self.any_with:
+            program.append(jump(JSET, self.any_with, then=allow))
         return program + [jump(JEQ, value, then=allow) for value in sorted(self.one_of)] + [goto(refuse)]
 
 
@@ -93,6 +97,11 @@ CHECKS = (
     # F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_SETFL, F_DUPFD_CLOEXEC: no record or open-file locks
     # (refused like flock), leases, notifications or signal owners.
     ArgumentCheck("fcntl", 1, one_of=frozenset({0, 1, 2, 3, 4, 1030})),
+    # Any private futex (FUTEX_PRIVATE_FLAG); of shared ones, waits only (FUTEX_WAIT, FUTEX_WAIT_BITSET,
+    # either with FUTEX_CLOCK_REALTIME): glibc's pthread_join waits on a shared futex the kernel wakes.
+    # A shared wake would reach another sandbox waiting at the same offset of a file both map (libc's
+    # own pages): a channel between sandboxes, like file locks.
+    ArgumentCheck("futex", 1, any_with=0x80, one_of=frozenset({0, 9, 0x100, 0x109})),
 )
 FOREIGN_ABI_FROM = {"x86_64": 0x40000000}
 """Numbers from here on belong to another ABI under the same audit architecture (x32): killed."""
