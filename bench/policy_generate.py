@@ -19,8 +19,11 @@ import time
 from pathlib import Path
 
 from envs.blackjack import ACTION_WORDS, BlackjackTextEnv
-from ray_forge.config.schema import PolicyConfig, TinyModelConfig
+from ray_forge.config import load_config
+from ray_forge.config.schema import JobConfig, TinyModelConfig
 from ray_forge.models.tiny import make_tiny_qwen3
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
@@ -34,7 +37,8 @@ def main() -> None:
     from ray_forge.actors.policy import VLLMPolicy
 
     model_dir = make_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny", BlackjackTextEnv.corpus(), TinyModelConfig())
-    policy = VLLMPolicy(PolicyConfig(), model_dir=str(model_dir), action_words=ACTION_WORDS)
+    policy = VLLMPolicy(load_config(JobConfig, ROOT / "jobs/configs/blackjack_tiny.yaml").policy, model_dir=str(model_dir),
+                        action_words=ACTION_WORDS)
     prompts = [BlackjackTextEnv().reset(seed) for seed in range(args.prompts)]
     token_prompts = [{"prompt_token_ids": policy.tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
     one_each = SamplingParams(n=1, max_tokens=1, logprobs=0, allowed_token_ids=policy.allowed_ids)

@@ -139,13 +139,13 @@ def main(argv: list[str] | None = None) -> dict:
                                   weight_decay=config.trainer.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, steps, config.trainer.warmup_steps, config.trainer.min_lr_ratio))
-    num_groups = config.grpo.games_per_step // config.grpo.group_size
+    num_groups = config.grpo.prompts_per_step
     step_s, evals, eval_at_s, reached = [], {}, {}, None
     start = time.perf_counter()
     for step in range(1, steps + 1):
         begin = time.perf_counter()
         seeds = [config.run.seed * 10**9 + step * num_groups + g for g in range(num_groups)]
-        groups = play(player, seeds, config.grpo.group_size, config.env.invalid_action_penalty, step - 1)
+        groups = play(player, seeds, config.grpo.samples_per_prompt, config.env.invalid_action_penalty, step - 1)
         stats = train_step(player, optimizer, config, groups)
         schedule.step()
         step_s.append(time.perf_counter() - begin)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
             if reached is None and evals[step] >= args.target:
                 reached = (step, time.perf_counter() - start)  # evaluation time included, as in the job
     result = dict(bench="reference", steps=steps, games_per_step=config.grpo.games_per_step,
-                  group_size=config.grpo.group_size, step_s_median=statistics.median(step_s),
+                  group_size=config.grpo.samples_per_prompt, step_s_median=statistics.median(step_s),
                   total_s=time.perf_counter() - start, target=args.target,
                   step_at_target=reached and reached[0], seconds_to_target=reached and reached[1],
                   final_exact_return=evals[steps], evals=evals, eval_at_s=eval_at_s)

@@ -46,7 +46,7 @@ async def play(config: JobConfig, fleet: Fleet, buffer, batches: range, chunks: 
     """Seconds to play ``batches``, all in flight at once (the job's rollout loop starts a batch
     while the one before is still in play)."""
     settings = RolloutSettings.of(config)
-    per_batch = config.grpo.games_per_step // config.grpo.group_size
+    per_batch = config.grpo.prompts_per_step
     start = time.perf_counter()
     await asyncio.gather(*(
         fleet.play(i, groups[i::chunks], settings, key=b * chunks + i, sink=(buffer, b, i, chunks))
@@ -131,7 +131,7 @@ def main() -> None:
             ray.kill(actor)
     finally:
         ray.shutdown()
-    calls = turn_calls(groups, config.grpo.games_per_step // config.grpo.group_size, args.chunks)
+    calls = turn_calls(groups, config.grpo.prompts_per_step, args.chunks)
     decisions = sum(len(c) for c in calls)
     raw_s = raw(model_dir, config, calls)
     ratio = raw_s["same_requests"] / seconds

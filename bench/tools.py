@@ -40,7 +40,7 @@ from ray_forge.core.env import EnvMaker, EnvSetup, EnvSpec
 from ray_forge.run.fleet import Fleet
 
 CONFIG = Path(__file__).resolve().parent.parent / "jobs" / "configs" / "code_tools_tiny.yaml"
-OVERRIDES = ["policy.max_tokens=48", "grpo.games_per_step=32", "grpo.group_size=8"]
+OVERRIDES = ["policy.max_tokens=48", "grpo.prompts_per_step=4", "grpo.samples_per_prompt=8"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +93,7 @@ def main() -> None:
     config = load_config(JobConfig, CONFIG, OVERRIDES)
     model_dir = str(make_tool_caller(Path(tempfile.mkdtemp()) / "tool_caller", code_corpus(CodeOptions(tool=True))))
     settings = RolloutSettings.of(config)
-    per_batch = config.grpo.games_per_step // config.grpo.group_size
+    per_batch = config.grpo.prompts_per_step
     concurrency = CodeOptions().concurrency
     from transformers import AutoTokenizer
 

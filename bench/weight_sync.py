@@ -471,7 +471,8 @@ def sharded_main(args) -> dict:
     results, digests = {}, {}
     for mode in ("gathered", "sharded"):
         ranks = [Trainer.options(num_cpus=1).remote(
-            TrainerConfig(num_ranks=2), model_dir=str(model_dir), grpo=GRPOConfig(), total_steps=1, rank=r,
+            TrainerConfig(num_ranks=2, dtype="float32"), model_dir=str(model_dir), grpo=GRPOConfig(), total_steps=1,
+            rank=r,
                 allowed_token_ids=None) for r in range(2)]
         group = TrainerGroup(ranks, timeout_s=600)
         group.setup()

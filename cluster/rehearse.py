@@ -23,7 +23,7 @@ from ray_forge.cluster.local import LocalCluster, NodeSpec
 from ray_forge.config.schema import POOL_LABEL
 
 GPU_NODE, CPU_NODE = "127.0.0.2", "127.0.0.3"
-SHORT = ["run.steps=2", "run.eval_every=2", "env.options.blackjack.mc_games=200", "grpo.games_per_step=64", "grpo.kl_coef=0.05",
+SHORT = ["run.steps=2", "run.eval_every=2", "env.options.blackjack.mc_games=200", "grpo.prompts_per_step=8", "grpo.kl_coef=0.05",
          "run.progress=false", "model.tiny.num_layers=2", "policy.kv_cache_mb=64",
          "cluster.pool_labels.gpu=gpu", "cluster.pool_labels.cpu=cpu"]
 EXPECTED_POOL = {"policy": "gpu", "trainer": "gpu", "ref": "gpu", "env": "cpu"}

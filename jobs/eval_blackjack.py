@@ -17,18 +17,21 @@ vLLM's structured outputs choosing among the whole words.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from pathlib import Path
 
 from envs.blackjack import ACTION_WORDS, DEFAULT_PENALTY, evaluate
 from ray_forge.actors.policy import VLLMPolicy
-from ray_forge.config.schema import PolicyConfig
+from ray_forge.config import load_config
+from ray_forge.config.schema import JobConfig
 from ray_forge.models.tiny import check_model_dir
 from ray_forge.run.directory import CONFIG_FILE, load_run_config
 
 log = logging.getLogger("eval_blackjack")
 
+DEMO_CONFIG = Path(__file__).parent / "configs" / "blackjack_tiny.yaml"
 LISTED_KEYS = ("decisions", "invalid_states")
 """Per-state results: in the returned dict, not on the printed line."""
 
@@ -58,9 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
         penalty = run_penalty(model_dir)
         penalty = DEFAULT_PENALTY if penalty is None else penalty
     log.info("an unparseable answer is worth %g", penalty)
-    # Constrained answers are whole action words; max_tokens=1 is the training default for one-token words.
-    config = (PolicyConfig(constrain_to_actions=False, max_tokens=args.max_tokens) if args.unconstrained
-              else PolicyConfig())
+    # The demo's engine settings: constrained answers are whole action words, one token each.
+    config = load_config(JobConfig, DEMO_CONFIG).policy
+    if args.unconstrained:
+        config = dataclasses.replace(config, constrain_to_actions=False, max_tokens=args.max_tokens)
     policy = VLLMPolicy(config, model_dir=str(model_dir), action_words=ACTION_WORDS)
     try:
         result = evaluate(lambda prompts: [c.text for c in policy.generate(prompts, greedy=True)],

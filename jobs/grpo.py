@@ -59,13 +59,20 @@ RUN_FAULTS = (RemoteCallError, FleetError, CheckpointError, WeightSyncError, Tim
 class LoopState:
     """Shared by the loops (one event loop, so no locks)."""
 
-    trainer_version: int = 0
     stop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     generated_tokens: int = 0
     played_games: int = 0
     rollout_seconds: float = 0.0
+    """Time some batch was in play: the rates divide by it."""
     batch_seconds: list[float] = dataclasses.field(default_factory=list)
     """How long each batch finished since the last metrics row was in play."""
+
+    def rates(self) -> dict[str, float | None]:
+        """The rollout's rates for a metrics row; starts the next row's batch times."""
+        batch_s, self.batch_seconds = self.batch_seconds, []
+        rollout_s = max(self.rollout_seconds, 1e-9)
+        return dict(rollout_batch_s=sum(batch_s) / len(batch_s) if batch_s else None,
+                    tokens_per_s=self.generated_tokens / rollout_s, episodes_per_s=self.played_games / rollout_s)
 
 
 async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: LoopState, batch: int) -> None:
@@ -79,7 +86,7 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
     the batches in play.
     """
     settings = RolloutSettings.of(config)
-    num_groups = config.grpo.games_per_step // config.grpo.group_size
+    num_groups = config.grpo.prompts_per_step
     num_chunks = max(len(actors.policies), len(actors.envs))
     playing: set[asyncio.Task] = set()
     clock = time.monotonic()
@@ -97,7 +104,6 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
 
     try:
         while not state.stop.is_set() or playing:
-            # Rollout time: the time some batch was in play (the rates in the metrics divide by it).
             now = time.monotonic()
             if playing:
                 state.rollout_seconds += now - clock
@@ -117,7 +123,7 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
             task.cancel()
 
 
-async def next_batch(config: JobConfig, actors: Actors, state: LoopState,
+async def next_batch(config: JobConfig, actors: Actors, version: int,
                      rollout: asyncio.Task) -> tuple[dict, ray.ObjectRef]:
     """The next ``games_per_step`` games, made into samples by the buffer: (their statistics, a
     reference to the samples, which the trainer fetches itself). Fails if the rollout loop dies first."""
@@ -125,8 +131,7 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState,
     # generate and a step per turn, and a replay after a restart, before it is in the buffer.
     limit_s = 2 * RolloutSettings.of(config).play_limit_s
     wait = asyncio.ensure_future(call(
-        actors.buffer.wait_batch.remote(config.grpo.games_per_step, state.trainer_version,
-                                        config.trainer.merge_identical, limit_s),
+        actors.buffer.wait_batch.remote(config.grpo.games_per_step, version, config.trainer.merge_identical, limit_s),
         timeout_s=limit_s + 60, what="buffer.wait_batch"))
     await asyncio.wait({wait, rollout}, return_when=asyncio.FIRST_COMPLETED)
     if not wait.done():
@@ -140,7 +145,7 @@ async def next_batch(config: JobConfig, actors: Actors, state: LoopState,
 
 async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, checkpoints: Checkpoints,
                 progress: Progress, first_batch: int, wall_offset_s: float) -> None:
-    state = LoopState(trainer_version=progress.step)
+    state = LoopState()
     metrics = MetricsLog(checkpoints.run_dir, config.run.steps, progress=config.run.progress,
                          done_steps=progress.step, wall_offset_s=wall_offset_s)
     settings = RolloutSettings.of(config)
@@ -153,7 +158,7 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
             metrics.log(0, **row, **eval_s)
         for step in range(progress.step + 1, config.run.steps + 1):
             step_start = time.monotonic()
-            batch_stats, samples = await next_batch(config, actors, state, rollout)
+            batch_stats, samples = await next_batch(config, actors, step - 1, rollout)
             ref = None
             if actors.reference is not None and batch_stats["num_rows"]:
                 ref = actors.reference.logprobs.remote(samples)
@@ -161,7 +166,6 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
             train_start = time.monotonic()
             train_stats = await actors.trainer.train_step(samples, ref)
             train_stats["train_s"] = time.monotonic() - train_start
-            state.trainer_version = step
             sync = await fleet.sync_weights(actors.trainer, actors.store.spec, step)
             check_due = bool(config.run.sync_check_every) and step % config.run.sync_check_every == 0
             eval_due = bool(config.run.eval_every) and (step % config.run.eval_every == 0 or step == config.run.steps)
@@ -172,13 +176,8 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
                                        tolerance=config.run.sync_check_tolerance) if check_due else None,
                       "sync_check_s"),
                 timed(fleet.evaluate(settings) if eval_due else None, "eval_s"))
-            rollout_s = max(state.rollout_seconds, 1e-9)
-            batch_s, state.batch_seconds = state.batch_seconds, []
-            row = dict(**batch_stats, **train_stats, **sync, **(checked or {}), **check_s,
-                       rollout_batch_s=sum(batch_s) / len(batch_s) if batch_s else None,
-                       tokens_per_s=state.generated_tokens / rollout_s, episodes_per_s=state.played_games / rollout_s,
-                       **await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats"),
-                       **fleet.stats())
+            row = dict(**batch_stats, **train_stats, **sync, **(checked or {}), **check_s, **state.rates(),
+                       **await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats"), **fleet.stats())
             if evaluated is not None:
                 result, eval_row = evaluated
                 row.update(eval_row, **eval_s)
@@ -236,7 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     create(run)
     log.info("run directory: %s%s", run.run_dir.resolve(), " (resumed)" if run.resumed else "")
     with stops_resumably(run, "jobs/grpo.py", RUN_FAULTS):
-        summary = asyncio.run(run_job(run, env, base_model(run, env.corpus, chat=run.config.env.episode.mode == "sequence"), Checkpoints(run).restore()))
+        model_dir = base_model(run, env.corpus, chat=run.config.env.episode.mode == "sequence")
+        summary = asyncio.run(run_job(run, env, model_dir, Checkpoints(run).restore()))
     # One line: the numbers and the run's own lists; an env's per-state or per-task ones stay in eval.json.
     print(json.dumps({k: v for k, v in summary.items()
                       if not isinstance(v, (list, dict)) or k in ("pictures", "policy_versions")}))

@@ -54,7 +54,7 @@ def test_a_registered_env_trains_for_two_steps(light, ray_cluster, tmp_path):
 
     summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",
                          "env.name=light", "env.options.light.reward=2.0", "env.max_turns=1", "run.name=light",
-                         "run.steps=2", "run.eval_every=1", "grpo.games_per_step=64", "run.progress=false",
+                         "run.steps=2", "run.eval_every=1", "grpo.prompts_per_step=8", "run.progress=false",
                          "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64"])
     run_dir = Path(summary["run_dir"])
     rows = read_metrics(run_dir / "metrics.jsonl")

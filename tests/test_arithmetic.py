@@ -10,10 +10,10 @@ from envs.code.env import CodeEnv
 from envs.code.python_tool import PythonTool, ReplaySession
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import load_tasks
+from forgeries import FORGERIES, forged
 from ray_forge.config.schema import ToolConfig
 from ray_forge.core.chat import ToolCall
 from ray_forge.core.tools import ToolRunner, ToolStats
-from test_reward import FORGERIES, forged
 
 
 def test_splits_are_seeded_and_disjoint():

@@ -4,6 +4,7 @@ import pytest
 
 from envs.blackjack import BlackjackTextEnv, State, evaluate_table, optimal_table, parse_action, render_state
 from envs.blackjack.exact import agreement, all_states, initial_states, visit_probabilities
+from pictures import CELLS, HIT, STICK, UNREADABLE, assert_drawn
 
 
 def test_render_shows_the_cards_that_matter():
@@ -20,7 +21,7 @@ def test_render_shows_the_cards_that_matter():
     # Only the answer's first word counts: echoes and hedges are invalid, not their first action word.
     ("HIT/STICK", None), (" I will Stand.", None), ("I would not hit, STICK", None),
     (render_state(State(14, 10, False)), None), ("", None), ("hitting", None), ("<unk> <pad>", None)])
-def test_parse_action(text, action):
+def test_an_answer_is_its_first_word_and_none_when_it_hedges_echoes_or_names_both_actions(text, action):
     assert parse_action(text) == action
 
 
@@ -81,14 +82,20 @@ def test_optimal_strategy_matches_the_known_chart():
     assert State(18, 8, True) in sticks and State(19, 10, True) in sticks
 
 
-def test_visits_and_agreement():
-    opt = optimal_table()
-    assert sum(initial_states().values()) == pytest.approx(1.0)
-    assert agreement(opt, opt) == 1.0
-    always_hit = {s: 1.0 for s in all_states()}
-    assert 0.0 < agreement(always_hit, opt) < 0.6
+def test_agreement_weights_each_state_by_how_often_optimal_play_reaches_it():
+    opt, deals = optimal_table(), initial_states()
+    assert sum(deals.values()) == pytest.approx(1.0)
+    # Sticking at once reaches only the deals; optimal play reaches a hard 20 by hitting too, but
+    # a hard 4 (2 + 2) only by the deal, since a hit adds a card.
+    assert visit_probabilities({}) == {s: deals.get(s, 0.0) for s in all_states()}
     visits = visit_probabilities(opt)
-    assert visits[State(20, 10, False)] > visits[State(4, 2, False)] > 0
+    assert visits[State(4, 2, False)] == deals[State(4, 2, False)] > 0
+    assert visits[State(20, 10, False)] > deals[State(20, 10, False)]
+    assert agreement(opt, opt) == 1.0
+    # Always hitting agrees exactly where optimal play hits, weighted by how often it gets there.
+    always_hit = {s: 1.0 for s in all_states()}
+    hit_share = sum(w for s, w in visits.items() if opt[s] == 1.0) / sum(visits.values())
+    assert agreement(always_hit, opt) == pytest.approx(hit_share, abs=1e-12) and 0.0 < hit_share < 0.6
 
 
 def test_exact_value_agrees_with_monte_carlo():
@@ -178,6 +185,8 @@ def test_monte_carlo_agrees_with_exact_when_some_answers_are_invalid():
 
 
 def test_the_decision_table_picture_marks_unreadable_answers(tmp_path):
+    """Grey cells framed in red where the answer could not be read; a table whose every answer
+    was read has no grey cells."""
     from envs.blackjack.plots import decision_table_png
     from envs.blackjack.policy_eval import evaluate
 
@@ -185,4 +194,8 @@ def test_the_decision_table_picture_marks_unreadable_answers(tmp_path):
     assert result["invalid_answers"] == 36  # 18 sums x hard/soft against a dealer's 10
     out = decision_table_png(result["decisions"], tmp_path / "table.png", invalid_states=result["invalid_states"],
                              penalty=result["invalid_action_penalty"])
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    assert_drawn(out, areas={STICK: CELLS, HIT: CELLS, UNREADABLE: 2 * CELLS, "red": CELLS})
+    read = evaluate(lambda prompts: ["STICK"] * len(prompts))
+    clean = decision_table_png(read["decisions"], tmp_path / "clean.png")
+    with pytest.raises(AssertionError, match="pixels"):
+        assert_drawn(clean, areas={UNREADABLE: 2 * CELLS})

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
 GAMES = 256
-SMALL = ["env.options.blackjack.mc_games=200", f"grpo.games_per_step={GAMES}", "run.progress=false", "model.tiny.hidden_size=64",
+SMALL = ["env.options.blackjack.mc_games=200", f"grpo.prompts_per_step={GAMES // 8}", "run.progress=false", "model.tiny.hidden_size=64",
          "model.tiny.intermediate_size=128", "model.tiny.num_layers=2", "cluster.include_dashboard=false",
          "policy.kv_cache_mb=64"]
 CHAOS = [f"run.steps={STEPS}", "run.eval_every=8", *SMALL, "env.num_actors=2", "env.resources.num_cpus=0.1",

@@ -20,7 +20,7 @@ def test_shipped_configs_load(path):
         assert config.data.max_tokens >= 2 and config.trainer.num_ranks >= 1
         return
     config = load_config(JobConfig, path)
-    assert config.grpo.games_per_step % config.grpo.group_size == 0
+    assert config.grpo.games_per_step == config.grpo.prompts_per_step * config.grpo.samples_per_prompt
     registry.setup(config.env)  # its env's own options are valid too
 
 
@@ -35,10 +35,10 @@ def test_an_sft_config_is_as_strict_as_the_grpo_one():
 
 
 def test_dotted_overrides_are_typed():
-    config = load_config(JobConfig, None, ["trainer.lr=3e-5", "grpo.group_size=4", "policy.resources.num_cpus=2",
+    config = load_config(JobConfig, None, ["trainer.lr=3e-5", "grpo.samples_per_prompt=4", "policy.resources.num_cpus=2",
                                            "cluster.pool_labels={gpu: g1}", "run.keep_best=true"])
     assert config.trainer.lr == 3e-5 and isinstance(config.trainer.lr, float)
-    assert config.grpo.group_size == 4
+    assert config.grpo.samples_per_prompt == 4 and config.grpo.games_per_step == 4 * config.grpo.prompts_per_step
     assert config.policy.resources.num_cpus == 2.0
     assert config.cluster.pool_labels == {"gpu": "g1"}
     assert config.run.keep_best is True
@@ -51,8 +51,8 @@ def test_dotted_overrides_are_typed():
     [
         ("trainer.lrr=1e-5", "unknown config key 'trainer.lrr'"),
         ("trainr.lr=1e-5", "unknown config key 'trainr'"),
-        ("grpo.group_size=four", "grpo.group_size: expected int"),
-        ("grpo.group_size=2.5", "grpo.group_size: expected int"),
+        ("grpo.samples_per_prompt=four", "grpo.samples_per_prompt: expected int"),
+        ("grpo.prompts_per_step=2.5", "grpo.prompts_per_step: expected int"),
         ("run.keep_best=3", "run.keep_best: expected bool"),
         ("grpo.token_aggregation=mean", "grpo.token_aggregation: 'mean' is not one of"),
         ("policy.resources.pool=tpu", "policy.resources.pool"),
@@ -78,9 +78,28 @@ def test_malformed_yaml_is_a_clear_error(tmp_path):
         load_config(JobConfig, bad)
 
 
-def test_cross_field_checks():
-    with pytest.raises(ConfigError, match="multiple of grpo.group_size"):
-        load_config(JobConfig, None, ["grpo.group_size=3", "grpo.games_per_step=64"])
+def test_a_buffer_smaller_than_a_step_and_a_chaos_target_that_is_no_actor_are_refused():
+    with pytest.raises(ConfigError, match=r"buffer.capacity_games \(100\) is smaller than a step's 128 games"):
+        load_config(JobConfig, None, ["grpo.prompts_per_step=16", "grpo.samples_per_prompt=8",
+                                      "buffer.capacity_games=100"])
+    assert load_config(JobConfig, None, ["grpo.prompts_per_step=16", "buffer.capacity_games=128"]).grpo.games_per_step == 128
+    with pytest.raises(ConfigError, match=r"chaos.targets: 'policy-1' is not env, policy or one of"):
+        load_config(JobConfig, None, ["chaos.targets=[policy-1]"])
+    assert load_config(JobConfig, None, ["chaos.targets=[policy-1]", "policy.num_replicas=2"]).chaos.targets == (
+        "policy-1",)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("grpo.group_size=8", "grpo.group_size is now grpo.samples_per_prompt"),
+    ("grpo.games_per_step=64", "grpo.games_per_step is now grpo.prompts_per_step (games per step = prompts_per_step "
+                               "x samples_per_prompt)"),
+    ("run.eval_mc_games=100", "run.eval_mc_games is now env.options.blackjack.mc_games"),
+    ("env.openenv={}", "env.openenv is now env.options.openenv"),
+])
+def test_an_old_key_fails_in_one_line_naming_the_new_one(old, new):
+    with pytest.raises(ConfigError) as err:
+        load_config(JobConfig, None, [old])
+    assert str(err.value) == new
 
 
 @pytest.mark.parametrize(
@@ -97,7 +116,7 @@ def test_cross_field_checks():
         ("env.resources.num_cpus=-1", "env.resources.num_cpus = -1.0 is out of range: it must be >= 0"),
         ("policy.temperature=-1", "policy.temperature = -1.0 is out of range: it must be >= 0.0"),
         ("trainer.min_lr_ratio=2", "trainer.min_lr_ratio = 2.0 is out of range: it must be in [0, 1]"),
-        ("buffer.capacity_games=64", "buffer.capacity_games (64) is smaller than grpo.games_per_step"),
+        ("buffer.capacity_games=64", "buffer.capacity_games (64) is smaller than a step's 512 games"),
         ("chaos.targets=[trainer]", "chaos.targets: 'trainer' is not env, policy or one of"),
         ("chaos.targets=[policy-5]", "chaos.targets: 'policy-5' is not env, policy or one of ['env-0', 'policy-0']"),
     ],
@@ -176,8 +195,23 @@ def test_every_numeric_setting_declares_its_bound_on_the_field():
                 yield prefix + f.name
 
     assert [*unbounded(JobConfig), *unbounded(SFTConfig)] == []
-    with pytest.raises(ConfigError, match=r"grpo.group_size = 1 is out of range: it must be >= 2"):
-        load_config(JobConfig, None, ["grpo.group_size=1"])
+    with pytest.raises(ConfigError, match=r"grpo.samples_per_prompt = 1 is out of range: it must be >= 2"):
+        load_config(JobConfig, None, ["grpo.samples_per_prompt=1"])
     with pytest.raises(ConfigError, match=r"data.eval_fraction = 1.0 is out of range: it must be in \[0, 1\)"):
         from ray_forge.config.schema import SFTConfig
         load_config(SFTConfig, None, ["data.eval_fraction=1"])
+
+
+def test_a_config_with_only_a_model_and_an_env_resolves_to_what_the_readme_shows():
+    """Defaults for a 1-8B model: bf16, long completions, prompts x samples, GPUs where there are any."""
+    import yaml
+
+    from ray_forge.config import to_dict
+
+    config = load_config(JobConfig, None, ["model.path=/models/Qwen3-1.7B", "env.name=blackjack"])
+    assert (config.policy.dtype, config.trainer.dtype, config.policy.max_tokens) == ("bfloat16", "bfloat16", 1024)
+    assert not config.policy.constrain_to_actions and config.grpo.games_per_step == 64 * 8
+    assert config.pools(gpus=True)["gpu"][0][1].num_gpus == 1.0 and config.pools(gpus=False)["gpu"][0][1].num_gpus == 0
+    assert all(res.num_gpus == 0 for _, res in config.pools(gpus=True)["cpu"])
+    shown = yaml.safe_dump(to_dict(config), sort_keys=False, width=110)
+    assert "```yaml\n" + shown + "```" in (CONFIGS.parent.parent / "README.md").read_text()

@@ -9,7 +9,8 @@ from envs.blackjack import ACTION_WORDS, BlackjackTextEnv, evaluate_table, rende
 from envs.blackjack.exact import all_states
 from envs.blackjack.policy_eval import state_key
 from ray_forge.actors.policy import VLLMPolicy, action_token_ids
-from ray_forge.config.schema import PolicyConfig, TinyModelConfig
+from ray_forge.config.schema import TinyModelConfig
+import tiny_configs
 
 pytestmark = pytest.mark.vllm
 
@@ -79,7 +80,7 @@ def _last_hidden(model, tokenizer, prompts: list[str]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def constrained(multi_token_model):
     folder, _, _ = multi_token_model
-    engine = VLLMPolicy(PolicyConfig(kv_cache_mb=64), model_dir=str(folder), action_words=ACTION_WORDS)
+    engine = VLLMPolicy(tiny_configs.policy(kv_cache_mb=64), model_dir=str(folder), action_words=ACTION_WORDS)
     yield engine
     engine.shutdown()
 

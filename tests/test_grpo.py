@@ -91,19 +91,22 @@ def test_truncated_importance_is_the_plain_loss_when_engine_and_trainer_agree():
     assert with_tis.loss.item() == pytest.approx(plain.loss.item()) and torch.equal(grad_tis, grad_plain)
 
 
-def test_token_aggregations():
-    # seq 0 has 2 tokens, seq 1 has 1 token; on-policy (ratio 1), A = [1, 3].
+def test_token_mean_weighs_tokens_alike_and_the_seq_means_weigh_sequences_alike():
+    # seq 0 has 2 tokens, seq 1 has 1 token and a masked pad; on-policy (ratio 1), A = [1, 3].
     lp = torch.zeros(2, 2)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([1.0, 3.0])
+    padded = lp.clone()
+    padded[1, 1] = 5.0  # a ratio of e^5 at the pad, which no aggregation may read
     per = dict(
         **{"token-mean": -(1 + 1 + 3) / 3},
         **{"seq-mean-token-sum": -(2 + 3) / 2},
         **{"seq-mean-token-mean": -(1 + 3) / 2},
     )
     for mode, expected in per.items():
-        got = grpo_loss(lp, lp, adv, mask, clip_eps=0.2, aggregation=mode).loss.item()
-        assert got == pytest.approx(expected), mode
+        for logprobs in (lp, padded):
+            got = grpo_loss(logprobs, lp, adv, mask, clip_eps=0.2, aggregation=mode).loss.item()
+            assert got == pytest.approx(expected), mode
 
 
 def test_kl_and_entropy_terms():

@@ -15,8 +15,8 @@ import torch
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parent.parent
-SHORT = ["run.steps=3", "run.eval_every=3", "env.options.blackjack.mc_games=500", "grpo.games_per_step=64",
-         "grpo.group_size=8", "grpo.kl_coef=0.05", "trainer.lr=1e-3", "run.progress=false",
+SHORT = ["run.steps=3", "run.eval_every=3", "env.options.blackjack.mc_games=500", "grpo.prompts_per_step=8",
+         "grpo.samples_per_prompt=8", "grpo.kl_coef=0.05", "trainer.lr=1e-3", "run.progress=false",
          "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
          "cluster.include_dashboard=false", "policy.kv_cache_mb=64",
          # Qwen3 up to 4B ties its embeddings: the job runs tied, and compares the engine with the
@@ -178,29 +178,29 @@ def test_bad_override_fails_before_anything_starts(tmp_path):
     assert "unknown config key 'trainer.lrr'" in proc.stderr
 
 
-def png_size(path: Path) -> tuple[int, int]:
-    """(width, height) from a PNG's IHDR chunk."""
-    import struct
-
-    head = path.read_bytes()[:24]
-    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
-    return struct.unpack(">II", head[16:24])
-
-
 def test_job_draws_its_learning_curve_and_decision_table(finished_run):
+    from pictures import CELLS, HIT, STICK, assert_drawn, png_size
+
     summary, run_dir = finished_run
     pictures = {Path(p).name: Path(p) for p in summary["pictures"]}
     assert set(pictures) == {"learning_curve.png", "decision_table.png"}
     assert png_size(pictures["learning_curve.png"]) == (1200, 800)
     assert png_size(pictures["decision_table.png"]) == (1200, 1000)
-    for path in pictures.values():
-        assert path.parent == run_dir and path.stat().st_size > 20_000  # drawn, not a blank canvas
+    assert all(path.parent == run_dir for path in pictures.values())
+    assert_drawn(pictures["learning_curve.png"], lines=("tab:blue",))  # the train reward, step by step
+    assert_drawn(pictures["decision_table.png"], areas={STICK: CELLS, HIT: CELLS})  # the optimal half has both
 
 
 def test_step_metrics_reach_rays_metrics_endpoint(finished_run):
     """During the run, the driver's gauges could be read from the node's metrics endpoint (what
     Prometheus scrapes for Grafana and the dashboard), each holding the step's logged value."""
+    from ray_forge.actors.buffer import COUNTERS
+
     summary, run_dir = finished_run
     assert summary["_scraped"] == pytest.approx(last_logged(run_dir), rel=1e-5, abs=1e-6)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["buffer_size"] >= 0 and rows[-1]["episodes_per_s"] > 0
+    assert rows[-1]["episodes_per_s"] > 0
+    for row in rows:  # every game played was trained on, evicted, dropped or is still buffered
+        assert row["generated"] == sum(row[k] for k in COUNTERS[1:]) + row["buffer_size"], row
+    # Each of the 3 steps took 64 games that no step takes again (buffer.max_uses 1): trained, or dropped as ties.
+    assert rows[-1]["trained"] + rows[-1]["dropped_no_signal"] == 3 * 64

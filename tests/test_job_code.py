@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from pictures import assert_drawn
+import tiny_configs
+
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["run.steps=3", "run.eval_every=2", "run.keep_best=true", "run.progress=false",
-         "grpo.games_per_step=16", "grpo.group_size=8", "policy.max_tokens=48", "policy.kv_cache_mb=32",
+         "grpo.prompts_per_step=2", "grpo.samples_per_prompt=8", "policy.max_tokens=48", "policy.kv_cache_mb=32",
          "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
          "cluster.include_dashboard=false"]
 REFERENCE_SOLUTION = (
@@ -53,7 +56,8 @@ def test_job_writes_metrics_evaluations_and_a_final_policy(finished_run):
         for name in ("config.json", "tokenizer.json", "model.safetensors"):
             assert (run_dir / folder / name).is_file(), (folder, name)
     assert summary["pictures"] == [str(run_dir / "learning_curve.png")]
-    assert (run_dir / "learning_curve.png").stat().st_size > 20_000
+    # The train reward of every step, and the evaluations of steps 2 and 3, drawn as lines.
+    assert_drawn(run_dir / "learning_curve.png", lines=("tab:blue", "tab:green"))
 
 
 def test_final_evaluation_scored_every_task_in_the_sandbox(finished_run):
@@ -105,7 +109,6 @@ def test_trainer_steps_on_free_form_completions(finished_run, ray_cluster):
     from envs.code.tasks import load_tasks
     from ray_forge.actors.trainer import TrainerActor
     from ray_forge.actors.trainer_group import TrainerGroup
-    from ray_forge.config.schema import GRPOConfig, TrainerConfig
     from ray_forge.core.episode import Sample
 
     summary, run_dir = finished_run
@@ -120,7 +123,7 @@ def test_trainer_steps_on_free_form_completions(finished_run, ray_cluster):
                               behaviour_logprobs=(-6.7,) * len(response_ids), advantage=1.0 if seed % 2 else -1.0,
                               policy_version=3))
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        TrainerConfig(lr=1e-3, micro_batch_size=4), model_dir=str(model_dir), grpo=GRPOConfig(), total_steps=2,
+        tiny_configs.trainer(lr=1e-3, micro_batch_size=4), model_dir=str(model_dir), grpo=tiny_configs.grpo(), total_steps=2,
             rank=0, allowed_token_ids=None)
     group = TrainerGroup([rank], timeout_s=300)
     try:

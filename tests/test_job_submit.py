@@ -22,7 +22,7 @@ def head_node():
 
 def test_ray_job_submit_runs_the_job(head_node, tmp_path):
     _, proc = head_node.submit(["python", "jobs/grpo.py", "--config", "jobs/configs/blackjack_tiny.yaml",
-                             "run.steps=2", "run.eval_every=2", "env.options.blackjack.mc_games=200", "grpo.games_per_step=64",
+                             "run.steps=2", "run.eval_every=2", "env.options.blackjack.mc_games=200", "grpo.prompts_per_step=8",
                              f"run.output_dir={tmp_path}", "model.tiny.num_layers=2", "policy.kv_cache_mb=64"],
                             ROOT, "submit-test", timeout_s=600)
     out = proc.stdout + proc.stderr
@@ -55,7 +55,7 @@ def test_a_job_whose_driver_is_killed_finishes_when_submitted_again_with_resume_
 
     args = ["python", "jobs/grpo.py", "--config", "jobs/configs/blackjack_tiny.yaml", "--resume", "auto",
             "run.steps=6", "run.checkpoint_every=2", "run.eval_every=0", "env.options.blackjack.mc_games=200",
-            "grpo.games_per_step=64", f"run.output_dir={tmp_path}", "model.tiny.num_layers=2", "policy.kv_cache_mb=64",
+            "grpo.prompts_per_step=8", f"run.output_dir={tmp_path}", "model.tiny.num_layers=2", "policy.kv_cache_mb=64",
             "run.progress=false"]
     job_id, proc = head_node.submit(args, ROOT, "resume-first", wait=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

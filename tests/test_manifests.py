@@ -51,8 +51,8 @@ def test_the_job_config_fits_the_node_pools_derived_from_the_manifest(rayjob):
     assert groups["gpu"].labels == {"ray_forge/pool": "gpu"} and groups["gpu"].gpus == 8
     assert groups["cpu"].labels == {"ray_forge/pool": "cpu"} and groups["cpu"].gpus == 0
     config = load_config(JobConfig, ROOT / "jobs/configs/blackjack_qwen3_1p7b.yaml")
-    wanted = {pool: (sum(r.num_cpus for _, r in config.pools().get(pool, [])),
-                     sum(r.num_gpus for _, r in config.pools().get(pool, [])))
+    wanted = {pool: (sum(r.num_cpus for _, r in config.pools(gpus=True).get(pool, [])),
+                     sum(r.num_gpus for _, r in config.pools(gpus=True).get(pool, [])))
               for pool in ("gpu", "cpu")}
     assert wanted["gpu"][1] == 5 and wanted["gpu"][1] <= groups["gpu"].gpus * groups["gpu"].replicas
     assert wanted["gpu"][0] <= groups["gpu"].cpus and wanted["cpu"][0] <= groups["cpu"].cpus

@@ -36,7 +36,7 @@ def test_learning_curve_table(tmp_path):
 
 
 def test_runs_side_by_side_png(tmp_path, capsys):
-    from test_job import png_size
+    from pictures import png_size
 
     from jobs import learning_curve
 

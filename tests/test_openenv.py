@@ -9,12 +9,7 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -32,35 +27,9 @@ from ray_forge.actors.env_pool import EnvPool  # noqa: E402
 from ray_forge.config import ConfigError  # noqa: E402
 from ray_forge.config.schema import EnvConfig  # noqa: E402
 from ray_forge.net import free_port  # noqa: E402
+from servers import serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@contextmanager
-def serving(*args: str):
-    """A server process on a free loopback port; yields its URL once /health answers."""
-    port = free_port()
-    # A file, not a pipe: nobody reads a pipe while the test runs, and a full one blocks the server.
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, *args, "--port", str(port)], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"server {args} did not start:\n{log.read()}")
-                time.sleep(0.2)
-        yield url, proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +234,7 @@ def test_grpo_job_trains_against_an_openenv_server(openspiel_url, ray_cluster, t
                          "env.name=openenv", f"env.options.openenv.url={openspiel_url}",
                          "env.options.openenv.codec=openspiel_blackjack",
                          "run.steps=2", "run.eval_every=2", "env.options.blackjack.mc_games=200",
-                             "grpo.games_per_step=64",
+                             "grpo.prompts_per_step=8",
                          "run.progress=false", "model.tiny.num_layers=2", "cluster.include_dashboard=false",
                          "policy.kv_cache_mb=64"])
     run_dir = Path(summary["run_dir"])

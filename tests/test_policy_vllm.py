@@ -8,14 +8,14 @@ import torch
 
 from envs.blackjack import ACTION_WORDS, BlackjackTextEnv
 from ray_forge.actors.policy import VLLMPolicy
-from ray_forge.config.schema import GRPOConfig, PolicyConfig, TrainerConfig
+import tiny_configs
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir):
-    engine = VLLMPolicy(PolicyConfig(kv_cache_mb=64), model_dir=tiny_model_dir, action_words=ACTION_WORDS)
+    engine = VLLMPolicy(tiny_configs.policy(kv_cache_mb=64), model_dir=tiny_model_dir, action_words=ACTION_WORDS)
     yield engine
     engine.shutdown()
 
@@ -66,7 +66,7 @@ def test_weight_update_in_place_matches_the_trainer(policy, tiny_model_dir, ray_
     from ray_forge.weights import StoreSpec, WeightStore
 
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        TrainerConfig(lr=3e-3), model_dir=tiny_model_dir, grpo=GRPOConfig(), total_steps=5, rank=0,
+        tiny_configs.trainer(lr=3e-3), model_dir=tiny_model_dir, grpo=tiny_configs.grpo(), total_steps=5, rank=0,
             allowed_token_ids=policy.allowed_ids)
     trainer = TrainerGroup([rank], timeout_s=300)
     store = WeightStore.create(StoreSpec(name=f"vllm-test-{transport}", transport=transport,
@@ -129,7 +129,7 @@ def test_an_update_in_flight_lands_between_steps_and_stays_exact(policy, tiny_mo
     from ray_forge.weights import StoreSpec, WeightStore
 
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        TrainerConfig(lr=3e-3), model_dir=tiny_model_dir, grpo=GRPOConfig(), total_steps=5, rank=0,
+        tiny_configs.trainer(lr=3e-3), model_dir=tiny_model_dir, grpo=tiny_configs.grpo(), total_steps=5, rank=0,
             allowed_token_ids=policy.allowed_ids)
     trainer = TrainerGroup([rank], timeout_s=300)
     store = WeightStore.create(StoreSpec(name=f"vllm-test-in-flight-{transport}", transport=transport))
@@ -212,7 +212,7 @@ def test_draws_follow_the_engines_distribution(policy, monkeypatch):
 
 def test_garbage_model_output_is_a_penalised_game(tiny_model_dir):
     """Unconstrained, a random model emits arbitrary words: games end with the penalty, nothing hangs."""
-    engine = VLLMPolicy(PolicyConfig(constrain_to_actions=False, max_tokens=3, kv_cache_mb=64),
+    engine = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=3, kv_cache_mb=64),
         model_dir=tiny_model_dir, action_words=ACTION_WORDS)
     try:
         env = BlackjackTextEnv(invalid_action_penalty=-1.5)
@@ -238,7 +238,7 @@ def test_seeded_long_prompts_past_one_step_s_token_budget_do_not_crash_the_engin
                              TinyModelConfig(tokenizer="bpe", bpe_vocab_size=300, max_position_embeddings=1024,
                                              hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
                                              num_kv_heads=1, head_dim=32), chat=True)
-    engine = VLLMPolicy(PolicyConfig(constrain_to_actions=False, max_tokens=8, max_model_len=1024, kv_cache_mb=128),
+    engine = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=8, max_model_len=1024, kv_cache_mb=128),
                         model_dir=str(folder), action_words=None)
     try:
         prompts = [tuple((i * 7 + j) % 250 + 10 for j in range(400)) for i in range(64)]

@@ -9,8 +9,9 @@ import torch
 
 from envs.blackjack import ACTION_WORDS, render_state
 from envs.blackjack.exact import all_states
-from ray_forge.config.schema import GRPOConfig, PolicyConfig, TrainerConfig
+from ray_forge import identity
 from ray_forge.run import sync_check
+import tiny_configs
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
@@ -33,10 +34,10 @@ def _compare(ray_cluster, model_dir: str, dtype: str, name: str) -> dict:
     from ray_forge.weights import StoreSpec, WeightStore
 
     policy = PolicyActor.options(num_cpus=0.5).remote(
-        PolicyConfig(kv_cache_mb=64, dtype=dtype), model_dir=model_dir, action_words=ACTION_WORDS)
+        tiny_configs.policy(kv_cache_mb=64, dtype=dtype), model_dir=model_dir, action_words=ACTION_WORDS)
     allowed = ray.get(policy.get_allowed_token_ids.remote(), timeout=300)
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        TrainerConfig(lr=1e-3, dtype=dtype), model_dir=model_dir, grpo=GRPOConfig(), total_steps=3, rank=0,
+        tiny_configs.trainer(lr=1e-3, dtype=dtype), model_dir=model_dir, grpo=tiny_configs.grpo(), total_steps=3, rank=0,
             allowed_token_ids=allowed)
     trainer = TrainerGroup([rank], timeout_s=300)
     store = WeightStore.create(StoreSpec(name=name, transport="shm", dtype=dtype))
@@ -45,8 +46,8 @@ def _compare(ray_cluster, model_dir: str, dtype: str, name: str) -> dict:
         asyncio.run(trainer.publish_weights(store.spec, 1))
         ray.get(policy.update_weights.remote(store.spec, 1), timeout=120)
         prompts = [render_state(s) for s in all_states()]
-        return asyncio.run(sync_check.check(policy, trainer, prompts, seed=0, tolerance=BF16_TOLERANCE,
-                                            timeout_s=120))
+        return asyncio.run(sync_check.check(policy, identity.policy(0), trainer, prompts, seed=0,
+                                            tolerance=BF16_TOLERANCE, timeout_s=120))
     finally:
         trainer.shutdown()
         store.destroy()

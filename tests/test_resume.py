@@ -2,17 +2,14 @@
 resumed, and in synchronous mode its weights equal an uninterrupted run's bit for bit."""
 
 import json
-import os
 import pickle
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from killed_job import run_until
 from ray_forge.core import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
@@ -21,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Synchronous (max_policy_lag 0): every batch is played by the newest weights only, so timing cannot
 # change which games a step trains on. No evaluation before the end: it would use policy-0 in between.
 SYNC = ["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), "run.steps=4", "run.checkpoint_every=2",
-        "run.eval_every=0", "env.options.blackjack.mc_games=200", "grpo.games_per_step=64", "buffer.max_policy_lag=0",
+        "run.eval_every=0", "env.options.blackjack.mc_games=200", "grpo.prompts_per_step=8", "buffer.max_policy_lag=0",
         "run.progress=false", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
         "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64", "run.seed=3",
         "grpo.kl_coef=0.05"]  # with a reference model: it must stay the base model across a resume
@@ -49,26 +46,6 @@ def uninterrupted(ray_cluster, tmp_path_factory):
 
     summary = grpo.main([*SYNC, f"run.output_dir={tmp_path_factory.mktemp('plain')}"])
     return Path(summary["run_dir"])
-
-
-def run_until(args: list[str], until, timeout_s: float = 300, script: str = "jobs/grpo.py") -> subprocess.Popen:
-    """Start the job in a process of its own and SIGKILL the driver (only it) once ``until()``."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not until():
-            assert proc.poll() is None, f"the job ended before it could be killed: {proc.stderr.read()[-3000:]}"
-            assert time.monotonic() < deadline, "the job did not reach the kill point in time"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        try:  # Ray's own processes share the driver's fate; make sure nothing of it outlives the test
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc
 
 
 def test_killed_driver_resumes_to_the_same_weights_bit_for_bit(uninterrupted, tmp_path, caplog):

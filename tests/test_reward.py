@@ -14,45 +14,12 @@ from envs.code.env import CodeEnv
 from envs.code.reward import SCORE_RANGE, NoResult, harness_program, same, score_code
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import Call, Task, load_tasks
+from forgeries import FORGERIES, forged
 
 ERROR_REWARD = -0.5
 GCD = "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a"
 SECRET = "sekret-expected-7d1f"
 SECRET_TASK = Task("secret", "code", "Write f(x).", entry_point="f", tests=(Call((1,), SECRET), Call((2,), [SECRET])))
-
-FORGERIES = {
-    "equals_everything": "class _Any:\n    __eq__ = lambda s, o: True\n    __ne__ = lambda s, o: False\n"
-                         "    __hash__ = lambda s: 0\n{defs}",
-    "int_subclass": "class _Int(int):\n    __eq__ = lambda s, o: True\n{defs_int}",
-    "str_subclass": "class _Str(str):\n    __eq__ = lambda s, o: True\n{defs_str}",
-    "list_subclass": "class _List(list):\n    __eq__ = lambda s, o: True\n{defs_list}",
-    "forged_line": "import sys\nframe = sys._getframe(1)\nmarker = frame.f_locals['marker']\n"
-                   "print(marker + '{{\"loaded\": \"yes\", \"results\": []}}')\n{defs}",
-    "forged_line_then_exit": "import sys, os\nframe = sys._getframe(1)\nmarker, calls = frame.f_locals['marker'], "
-                             "frame.f_locals['calls']\n"
-                             "print('\\n' + marker + __import__('json').dumps({{'loaded': 'yes', 'results': "
-                             "[{{'value': 0}} for _ in calls]}}), flush=True)\nos._exit(0)",
-    "exits_early": "import os\nos._exit(0)",
-    "exits_in_call": "import sys\n{defs_exit}",
-    "recursive_value": "{defs_recursive}",
-    "huge_value": "{defs_huge}",
-    "huge_int": "{defs_bigint}",
-    "reads_frames": "import gc, sys\n{defs_frames}",
-}
-ENTRY_POINTS = {"gcd": 2, "reverse_words": 1, "primes_below": 1}
-
-
-def forged(kind: str, entry_point: str) -> str:
-    params = ", ".join(f"a{i}" for i in range(ENTRY_POINTS[entry_point]))
-    body = {"defs": "return _Any()", "defs_int": "return _Int(0)", "defs_str": "return _Str('')",
-            "defs_list": "return _List()", "defs_exit": "sys.exit(0)",
-            "defs_recursive": "x = []\n    x.append(x)\n    return x", "defs_huge": "return [0] * 10**6",
-            "defs_bigint": "return 7 ** 10**5",
-            "defs_frames": "f = sys._getframe(1)\n    seen = [f.f_locals, f.f_globals.get('_rf_run')]\n"
-                           "    return [repr(o)[:200] for o in gc.get_objects() if isinstance(o, dict) and "
-                           "'expected' in o][:5] or repr(seen)[:500]"}
-    defs = {key: f"def {entry_point}({params}):\n    {value}" for key, value in body.items()}
-    return FORGERIES[kind].format(**defs)
 
 
 @pytest.fixture(scope="module")

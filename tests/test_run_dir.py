@@ -32,7 +32,8 @@ def test_auto_starts_fresh_when_every_run_finished(tmp_path):
     assert latest_unfinished(config) is None
 
 
-@pytest.mark.parametrize("override", ["grpo.games_per_step=64", "run.seed=5", "trainer.num_ranks=2"])
+@pytest.mark.parametrize("override", ["grpo.prompts_per_step=8", "grpo.samples_per_prompt=4", "run.seed=5",
+                                      "trainer.num_ranks=2"])
 def test_a_resume_may_not_change_what_the_checkpoint_depends_on(tmp_path, override):
     run = make_run(tmp_path, "blackjack-20261201-100000", **{"run.name": "blackjack"})
     with pytest.raises(ConfigError, match=f"{override.split('=')[0]} cannot change on resume"):

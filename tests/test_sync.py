@@ -21,6 +21,7 @@ import torch
 from ray_forge import identity
 from ray_forge.weights import StoreSpec, WeightStore
 from ray_forge.weights.layout import tensors_digest
+import tiny_configs
 
 pytestmark = pytest.mark.ray
 
@@ -51,7 +52,6 @@ def setup(request, ray_cluster, tiny_model_dir):
     from ray_forge.actors.policy import PolicyActor
     from ray_forge.actors.trainer import TrainerActor
     from ray_forge.actors.trainer_group import TrainerGroup
-    from ray_forge.config.schema import GRPOConfig, PolicyConfig, TrainerConfig
     from ray_forge.core.episode import Sample
     from ray_forge.run.fleet import Fleet
 
@@ -62,11 +62,11 @@ def setup(request, ray_cluster, tiny_model_dir):
                      receivers=names, timeout_s=TIMEOUT_S, bucket_bytes=2**16)  # several buckets per rank
     store = WeightStore.create(spec)
     policies = [PolicyActor.options(name=name, num_cpus=0.25, max_restarts=1).remote(
-        PolicyConfig(kv_cache_mb=64), model_dir=tiny_model_dir, action_words=ACTION_WORDS, seed=i,
+        tiny_configs.policy(kv_cache_mb=64), model_dir=tiny_model_dir, action_words=ACTION_WORDS, seed=i,
             store_name=spec.name) for i, name in enumerate(names)]
     allowed = ray_cluster.get(policies[0].get_allowed_token_ids.remote(), timeout=300)
     ranks = [TrainerActor.options(num_cpus=0.25).remote(
-        TrainerConfig(lr=3e-3, num_ranks=2), model_dir=tiny_model_dir, grpo=GRPOConfig(), total_steps=20, rank=r,
+        tiny_configs.trainer(lr=3e-3, num_ranks=2), model_dir=tiny_model_dir, grpo=tiny_configs.grpo(), total_steps=20, rank=r,
             allowed_token_ids=allowed) for r in range(2)]
     trainer = TrainerGroup(ranks, timeout_s=300)
     trainer.setup()

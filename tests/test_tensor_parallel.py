@@ -6,9 +6,11 @@ import torch
 
 from envs.blackjack import ACTION_WORDS, render_state
 from envs.blackjack.exact import all_states
+from ray_forge import identity
 from ray_forge.actors.policy import VLLMPolicy, cpu_binding
 from ray_forge.config import ConfigError, load_config
-from ray_forge.config.schema import JobConfig, PolicyConfig
+from ray_forge.config.schema import JobConfig
+import tiny_configs
 
 
 def test_cpu_binding_splits_the_cores_between_workers():
@@ -36,7 +38,7 @@ def test_two_workers_on_cpu_decide_as_one_does(tiny_model_dir):
     prompts = [render_state(s) for s in all_states()]
     results = {}
     for tp in (2, 1):  # the single worker after: the 2-worker binding must not stay behind
-        engine = VLLMPolicy(PolicyConfig(kv_cache_mb=64, tensor_parallel_size=tp), model_dir=tiny_model_dir,
+        engine = VLLMPolicy(tiny_configs.policy(kv_cache_mb=64, tensor_parallel_size=tp), model_dir=tiny_model_dir,
             action_words=ACTION_WORDS)
         try:
             greedy = engine.generate(prompts, greedy=True)
@@ -62,16 +64,15 @@ def test_a_two_worker_engine_matches_the_trainer_after_a_sync(ray_cluster, tiny_
     from ray_forge.actors.policy import PolicyActor
     from ray_forge.actors.trainer import TrainerActor
     from ray_forge.actors.trainer_group import TrainerGroup
-    from ray_forge.config.schema import GRPOConfig, TrainerConfig
     from ray_forge.core.episode import Sample
     from ray_forge.run import sync_check
     from ray_forge.weights import StoreSpec, WeightStore
 
     policy = PolicyActor.options(num_cpus=1).remote(
-        PolicyConfig(kv_cache_mb=64, tensor_parallel_size=2), model_dir=tiny_model_dir, action_words=ACTION_WORDS)
+        tiny_configs.policy(kv_cache_mb=64, tensor_parallel_size=2), model_dir=tiny_model_dir, action_words=ACTION_WORDS)
     allowed = ray_cluster.get(policy.get_allowed_token_ids.remote(), timeout=300)
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        TrainerConfig(lr=3e-3), model_dir=tiny_model_dir, grpo=GRPOConfig(), total_steps=3, rank=0,
+        tiny_configs.trainer(lr=3e-3), model_dir=tiny_model_dir, grpo=tiny_configs.grpo(), total_steps=3, rank=0,
             allowed_token_ids=allowed)
     trainer = TrainerGroup([rank], timeout_s=300)
     store = WeightStore.create(StoreSpec(name="tp2-sync", transport="shm", bucket_bytes=2**17))
@@ -87,7 +88,8 @@ def test_a_two_worker_engine_matches_the_trainer_after_a_sync(ray_cluster, tiny_
         ray_cluster.get(policy.update_weights.remote(store.spec, 3), timeout=120)
         after = ray_cluster.get(policy.generate.remote(prompts, True), timeout=120)
         assert [t.response_ids for t in after] != [t.response_ids for t in before]  # the sync changed it
-        row = asyncio.run(sync_check.check(policy, trainer, prompts, seed=0, tolerance=1e-4, timeout_s=120))
+        row = asyncio.run(sync_check.check(policy, identity.policy(0), trainer, prompts, seed=0, tolerance=1e-4,
+                                           timeout_s=120))
         assert row["sync_greedy_agreement"] == 1.0 and row["sync_logprob_max_diff"] <= 1e-4, row
     finally:
         trainer.shutdown()

@@ -8,8 +8,8 @@ import torch
 
 from ray_forge.actors.trainer import TrainerActor
 from ray_forge.actors.trainer_group import TrainerGroup
-from ray_forge.config.schema import GRPOConfig, TrainerConfig
 from ray_forge.core.episode import Sample
+import tiny_configs
 
 pytestmark = pytest.mark.ray
 
@@ -29,8 +29,8 @@ def _samples(tokenizer, allowed):
 
 def _run(model_dir, world_size, samples, allowed, tmp_path):
     ranks = [TrainerActor.options(name=f"trainer-test{world_size}-{r}", num_cpus=0.5).remote(
-        TrainerConfig(lr=1e-3, micro_batch_size=8, num_ranks=world_size), model_dir=model_dir,
-            grpo=GRPOConfig(entropy_coef=0.01), total_steps=3, rank=r,
+        tiny_configs.trainer(lr=1e-3, micro_batch_size=8, num_ranks=world_size), model_dir=model_dir,
+            grpo=tiny_configs.grpo(entropy_coef=0.01), total_steps=3, rank=r,
                 allowed_token_ids=allowed) for r in range(world_size)]
     group = TrainerGroup(ranks, timeout_s=300)
     try:
@@ -79,8 +79,8 @@ def test_two_rank_fsdp_matches_one_rank(ray_cluster, tiny_model_dir, tmp_path):
 
 def _ranks(model_dir, world_size, allowed, tag):
     return [TrainerActor.options(name=f"trainer-{tag}-{r}", num_cpus=0.5).remote(
-        TrainerConfig(lr=1e-3, micro_batch_size=8, num_ranks=world_size), model_dir=model_dir,
-            grpo=GRPOConfig(entropy_coef=0.01), total_steps=4, rank=r,
+        tiny_configs.trainer(lr=1e-3, micro_batch_size=8, num_ranks=world_size), model_dir=model_dir,
+            grpo=tiny_configs.grpo(entropy_coef=0.01), total_steps=4, rank=r,
                 allowed_token_ids=allowed) for r in range(world_size)]
 
 

@@ -13,6 +13,7 @@ import torch
 from ray_forge.weights import StoreSpec, TransportUnavailable, WeightStore, WeightSyncError
 from ray_forge.weights.layout import Piece, assemble, pack_into, plan_buckets, plan_groups, plan_pieces, unpack
 from ray_forge.weights.shards import chunk_rows, split_fused_qkv
+import tiny_configs
 
 MiB = 2**20
 
@@ -531,13 +532,12 @@ def test_two_fsdp_ranks_put_their_own_shards_and_vllm_loads_the_whole_model(ray_
     from ray_forge.actors.policy import VLLMPolicy
     from ray_forge.actors.trainer import TrainerActor
     from ray_forge.actors.trainer_group import TrainerGroup
-    from ray_forge.config.schema import GRPOConfig, PolicyConfig, TrainerConfig
     from ray_forge.core.episode import Sample
 
     model_dir = tied_unaligned_model_dir
-    engine = VLLMPolicy(PolicyConfig(kv_cache_mb=64), model_dir=model_dir, action_words=ACTION_WORDS)
+    engine = VLLMPolicy(tiny_configs.policy(kv_cache_mb=64), model_dir=model_dir, action_words=ACTION_WORDS)
     ranks = [TrainerActor.options(num_cpus=0.5).remote(
-        TrainerConfig(lr=3e-3, num_ranks=2), model_dir=model_dir, grpo=GRPOConfig(), total_steps=5, rank=r,
+        tiny_configs.trainer(lr=3e-3, num_ranks=2), model_dir=model_dir, grpo=tiny_configs.grpo(), total_steps=5, rank=r,
             allowed_token_ids=engine.allowed_ids) for r in range(2)]
     trainer = TrainerGroup(ranks, timeout_s=300)
     store = WeightStore.create(StoreSpec(name=f"test-{uuid.uuid4().hex[:8]}", transport=transport, bucket_bytes=2**16,

@@ -77,7 +77,7 @@ def chat_tokenizer(model_dir: str):
 
 def start_actors(config: JobConfig, env: EnvSetup, model_dir: str, store_name: str) -> Actors:
     """Create all actors at once (their start-ups overlap), then wait for them to be ready."""
-    pools = Pools(config.cluster, config.pools())
+    pools = Pools(config.cluster, config.pools(gpus=ray.cluster_resources().get("GPU", 0) > 0))
     handles: list = []
     try:
         return _start_on(pools, config, env, model_dir, store_name, handles)

@@ -34,7 +34,7 @@ class RolloutSettings:
         rules = EpisodeRules(mode=episode.mode, turn_tokens=config.policy.max_tokens,
                              episode_tokens=episode.max_tokens or config.policy.max_model_len,
                              strict_template=episode.strict_template, tools=episode.tools)
-        return cls(group_size=config.grpo.group_size, max_turns=config.env.max_turns,
+        return cls(group_size=config.grpo.samples_per_prompt, max_turns=config.env.max_turns,
                    invalid_action_penalty=config.env.invalid_action_penalty,
                    policy_timeout_s=config.policy.call_timeout_s, env_timeout_s=config.env.call_timeout_s,
                    rules=rules, max_model_len=config.policy.max_model_len)

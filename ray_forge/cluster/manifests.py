@@ -283,7 +283,7 @@ def job_config_from_entrypoint(entrypoint: str, root: Path):
 def placement_errors(config, groups: list[NodeGroup]) -> list[str]:
     """Every pool's bundles must pack onto the nodes carrying its label (first fit, largest first)."""
     errors = []
-    for pool, members in config.pools().items():
+    for pool, members in config.pools(gpus=any(g.gpus for g in groups)).items():
         label = config.cluster.pool_labels.get(pool)
         nodes = [[g.cpus, g.gpus] for g in groups for _ in range(g.replicas)
                  if label is None or g.labels.get(POOL_LABEL) == label]

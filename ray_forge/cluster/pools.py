@@ -79,7 +79,10 @@ class Pools:
     """One placement group per pool; ``reserve`` every role's bundles, then hand out slots."""
 
     def __init__(self, config: ClusterConfig, pools: dict[str, list[tuple[str, Resources]]]) -> None:
-        """``pools``: ``JobConfig.pools()``."""
+        """``pools``: ``JobConfig.pools()``; resources still at ``num_gpus: auto`` get one GPU each
+        if the cluster has GPUs."""
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        pools = {pool: [(role, res.resolved(gpus)) for role, res in members] for pool, members in pools.items()}
         self._groups: list[PlacementGroup] = []
         self.slots: dict[str, list[Slot]] = {role: [] for members in pools.values() for role, _ in members}
         try:

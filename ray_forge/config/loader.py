@@ -49,6 +49,9 @@ def from_dict(cls: type[T], raw: Any, prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
+        # A section's RENAMED says where a key it used to have went: one line naming the new key.
+        if moved := getattr(cls, "RENAMED", {}).get(unknown[0]):
+            raise ConfigError(f"{_join(prefix, unknown[0])} is now {moved}")
         known = ", ".join(sorted(fields))
         raise ConfigError(f"unknown config key {_join(prefix, unknown[0])!r} (known keys here: {known})")
     kwargs = {}

@@ -59,25 +59,18 @@ def open_run(config_path: str, overrides: list[str], resume: str | None, cls: ty
     return Run(config, run_dir.resolve(), checkpoint.latest(run_dir), resumed=True)
 
 
-RENAMED = {"run.eval_mc_games": "env.options.blackjack.mc_games", "env.code": "env.options.code",
-           "env.openenv": "env.options.openenv"}
-"""Keys of configs written before envs were plugins, and where each went."""
-
-
 def load_run_config(run_dir: Path, overrides: list[str] = (), cls: type = JobConfig) -> JobConfig:
     """The config a run kept; one written before a key moved fails saying where it went."""
     try:
         return load_config(cls, run_dir / CONFIG_FILE, overrides)
     except ConfigError as err:
-        moved = [f"{old} is now {new}" for old, new in RENAMED.items() if f"'{old}" in str(err)]
-        if moved:
-            raise ConfigError(f"{err}; {run_dir / CONFIG_FILE} was written by an older ray_forge: "
-                              f"{'; '.join(moved)} (the code env's limits sit under limits, output_kb is "
-                              "limits.output_bytes); edit it to go on") from err
+        if " is now " in str(err):
+            raise ConfigError(f"{err}; {run_dir / CONFIG_FILE} was written by an older ray_forge: edit it to go "
+                              "on") from err
         raise
 
 
-FIXED_ON_RESUME = ("run.seed", "grpo.games_per_step", "grpo.group_size", "trainer.num_ranks", "model.path",
+FIXED_ON_RESUME = ("run.seed", "grpo.prompts_per_step", "grpo.samples_per_prompt", "trainer.num_ranks", "model.path",
                    "model.tiny", "policy.constrain_to_actions", "env.name")
 """Settings a resumed run keeps from its saved config whatever the command line says."""
 
