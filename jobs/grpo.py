@@ -1,23 +1,16 @@
-"""GRPO post-training of an LLM on a text env (BlackJack, or coding and math tasks), on Ray,
-with vLLM policies and a TorchTitan trainer.
+"""GRPO post-training of an LLM on a text env (BlackJack, coding and math tasks) on Ray, with vLLM
+policies and a TorchTitan trainer.
 
-Local (starts an embedded Ray cluster; dashboard at http://127.0.0.1:8265):
-    python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml run.steps=60 trainer.lr=3e-5
-    python jobs/grpo.py --config jobs/configs/code_tiny.yaml
-Against a running cluster:
-    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
-        python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml run.steps=5
-
-Resume a run that was stopped (a killed driver, a restarted pod) from its newest checkpoint:
-    python jobs/grpo.py --resume runs/blackjack-tiny-20261201-101500
-    python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml --resume auto   # latest unfinished run, else fresh
+    python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml run.steps=60   # embedded Ray cluster
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/grpo.py --config ...
+    python jobs/grpo.py --resume runs/blackjack-tiny-20261201-101500   # or --resume auto: the latest unfinished
 
 The algorithm is the two loops below: ``rollout_loop`` plays batches of games against the policy
 engines into the replay buffer while ``train`` takes batches from it, trains a step, syncs the
 weights to the engines, and now and then checks the sync, evaluates and checkpoints. The rest
 lives in ``ray_forge/run/``: the fleet (engines and env actors that die are restarted and their
-games replayed; ``chaos.every_s`` kills some on purpose), checkpoints and resume. The env
-(``env.name``, ``envs/registry.py``) decides its games, its evaluation and its pictures.
+games replayed), checkpoints and resume. The env (``env.name``) decides its games, its evaluation
+and its pictures.
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ from ray_forge.cluster import pools
 from ray_forge.config.schema import JobConfig
 from ray_forge.core.checkpoint import CheckpointError
 from ray_forge.core.env import EnvSetup
-from ray_forge.models.tiny import ModelError, check_model_dir
+from ray_forge.models.tiny import ModelError
 from ray_forge.observe.metrics import MetricsLog, timed
 from ray_forge.remote import RemoteCallError, call, computed
 from ray_forge.run.chaos import chaos_monkey
@@ -76,15 +69,11 @@ class LoopState:
 
 
 async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: LoopState, batch: int) -> None:
-    """Hands out batches of seeds to the rollout workers (the env actors), which play them against
-    the policy engines and put the scored groups into the buffer: only counts come back here.
-
-    Starts at batch ``batch`` (the buffer's saved position on resume). A batch starts as soon as
-    it is at most ``buffer.max_policy_lag`` batches ahead of the weights the engines hold, even
-    while the one before is still in play: the engines batch the turns of both. With a lag of 0
-    every batch is played by the newest weights only. Stops when ``state.stop`` is set, after
-    the batches in play.
-    """
+    """Hands out batches of seeds, from ``batch`` on, to the env actors, which play them against the
+    engines and put the scored groups into the buffer: only counts come back here. A batch starts
+    as soon as it is at most ``buffer.max_policy_lag`` batches ahead of the weights the engines
+    hold, even while the one before is in play (the engines batch the turns of both). Stops when
+    ``state.stop`` is set, after the batches in play."""
     settings = RolloutSettings.of(config)
     num_groups = config.grpo.prompts_per_step
     num_chunks = max(len(actors.policies), len(actors.envs))
@@ -125,11 +114,9 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
 
 async def next_batch(config: JobConfig, actors: Actors, version: int,
                      rollout: asyncio.Task) -> tuple[dict, ray.ObjectRef]:
-    """The next ``games_per_step`` games, made into samples by the buffer: (their statistics, a
-    reference to the samples, which the trainer fetches itself). Fails if the rollout loop dies first."""
-    # A backstop only: every call of the rollout has its own timeout, and a batch may need a
-    # generate and a step per turn, and a replay after a restart, before it is in the buffer.
-    limit_s = 2 * RolloutSettings.of(config).play_limit_s
+    """A step's games, made into samples by the buffer: (their statistics, a reference to the samples,
+    which the trainer fetches itself). Fails if the rollout loop dies first."""
+    limit_s = 2 * RolloutSettings.of(config).play_limit_s  # a backstop: every rollout call has its own timeout
     wait = asyncio.ensure_future(call(
         actors.buffer.wait_batch.remote(config.grpo.games_per_step, version, config.trainer.merge_identical, limit_s),
         timeout_s=limit_s + 60, what="buffer.wait_batch"))
@@ -230,10 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "trainer.lr=3e-5 run.steps=20")
     run = open_run(args.config, args.overrides, args.resume)
     env = registry.setup(run.config.env)
-    if run.config.model.path:  # before the run directory exists: a bad path leaves nothing behind
-        check_model_dir(run.config.model.path)
     create(run)
-    log.info("run directory: %s%s", run.run_dir.resolve(), " (resumed)" if run.resumed else "")
     with stops_resumably(run, "jobs/grpo.py", RUN_FAULTS):
         model_dir = base_model(run, env.corpus, chat=run.config.env.episode.mode == "sequence")
         summary = asyncio.run(run_job(run, env, model_dir, Checkpoints(run).restore()))

@@ -29,7 +29,7 @@ from ray_forge.config.schema import SFTConfig
 from ray_forge.core import checkpoint, sft
 from ray_forge.core.checkpoint import CheckpointError
 from ray_forge.models.export import save_hf_folder
-from ray_forge.models.tiny import ModelError, check_model_dir
+from ray_forge.models.tiny import ModelError
 from ray_forge.observe.metrics import MetricsLog
 from ray_forge.remote import RemoteCallError
 from ray_forge.run.command_line import parse_args, run_cli, stops_resumably
@@ -155,10 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, eval_set = conversations, sft.load_conversations(config.data.eval)
     else:
         train_set, eval_set = sft.split(conversations, config.data.eval_fraction, config.run.seed)
-    if config.model.path:
-        check_model_dir(config.model.path)
     create(run)
-    log.info("run directory: %s%s", run.run_dir, " (resumed)" if run.resumed else "")
     model_dir = base_model(run, lambda: corpus_of(train_set), chat=True)
     tokenizer = chat_tokenizer(model_dir)
     start = time.monotonic()

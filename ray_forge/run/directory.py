@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -16,6 +17,8 @@ from ray_forge.config import ConfigError, load_config, to_dict
 from ray_forge.config.schema import JobConfig
 from ray_forge.core import checkpoint
 from ray_forge.models.tiny import check_model_dir, make_tiny_qwen3
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 FINISHED_FILE = "eval.json"
@@ -98,9 +101,13 @@ def latest_unfinished(config: JobConfig) -> Path | None:
 
 
 def create(run: Run) -> None:
-    """Make a fresh run's directory and write its resolved config (a resumed run has both)."""
+    """Make a fresh run's directory and write its resolved config (a resumed run has both). A
+    ``model.path`` that is no model fails first, leaving nothing behind."""
+    if run.config.model.path:
+        check_model_dir(run.config.model.path)
     run.run_dir.mkdir(parents=True, exist_ok=run.resumed)
     (run.run_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(run.config), sort_keys=False))
+    log.info("run directory: %s%s", run.run_dir, " (resumed)" if run.resumed else "")
 
 
 def truncate_metrics(run_dir: Path, last_step: int) -> float:
