@@ -150,9 +150,7 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
             if actors.reference is not None and batch_stats["num_rows"]:
                 ref = actors.reference.logprobs.remote(samples)
                 await computed(ref, timeout_s=config.reference.call_timeout_s, what="ref.logprobs")  # for the trainer
-            train_start = time.monotonic()
-            train_stats = await actors.trainer.train_step(samples, ref)
-            train_stats["train_s"] = time.monotonic() - train_start
+            train_stats, train_s = await timed(actors.trainer.train_step(samples, ref), "train_s")
             sync = await fleet.sync_weights(actors.trainer, actors.store.spec, step)
             check_due = bool(config.run.sync_check_every) and step % config.run.sync_check_every == 0
             eval_due = bool(config.run.eval_every) and (step % config.run.eval_every == 0 or step == config.run.steps)
@@ -163,7 +161,7 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
                                        tolerance=config.run.sync_check_tolerance) if check_due else None,
                       "sync_check_s"),
                 timed(fleet.evaluate(settings) if eval_due else None, "eval_s"))
-            row = dict(**batch_stats, **train_stats, **sync, **(checked or {}), **check_s, **state.rates(),
+            row = dict(**batch_stats, **train_stats, **train_s, **sync, **(checked or {}), **check_s, **state.rates(),
                        **await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats"), **fleet.stats())
             if evaluated is not None:
                 result, eval_row = evaluated
