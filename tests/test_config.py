@@ -215,3 +215,15 @@ def test_a_config_with_only_a_model_and_an_env_resolves_to_what_the_readme_shows
     assert all(res.num_gpus == 0 for _, res in config.pools(gpus=True)["cpu"])
     shown = yaml.safe_dump(to_dict(config), sort_keys=False, width=110)
     assert "```yaml\n" + shown + "```" in (CONFIGS.parent.parent / "README.md").read_text()
+
+
+def test_the_demo_config_sets_the_tiny_engine_and_trainer_the_tests_use():
+    """The tiny model's settings sit in blackjack_tiny.yaml, not in the schema's defaults; the
+    tests' own copy of them (tests/tiny_configs.py) is the same."""
+    from tiny_configs import TINY_POLICY, TINY_TRAINER
+
+    demo = load_config(JobConfig, CONFIGS / "blackjack_tiny.yaml")
+    assert {key: getattr(demo.policy, key) for key in TINY_POLICY} == TINY_POLICY
+    assert (demo.trainer.dtype, demo.trainer.micro_batch_size) == (TINY_TRAINER["dtype"], TINY_TRAINER["micro_batch_size"])
+    defaults = JobConfig()
+    assert any(getattr(defaults.policy, key) != value for key, value in TINY_POLICY.items())
