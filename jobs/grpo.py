@@ -28,11 +28,13 @@ from envs import registry
 from ray_forge.actors.launch import Actors, start_actors
 from ray_forge.actors.rollout import RolloutSettings, batch_groups
 from ray_forge.cluster import pools
+from ray_forge.config import to_dict
 from ray_forge.config.schema import JobConfig
 from ray_forge.core.checkpoint import CheckpointError
 from ray_forge.core.env import EnvSetup
 from ray_forge.models.tiny import ModelError
 from ray_forge.observe.metrics import MetricsLog, timed
+from ray_forge.observe.trackers import open_trackers
 from ray_forge.remote import RemoteCallError, call, computed
 from ray_forge.run.chaos import chaos_monkey
 from ray_forge.run.checkpoints import Checkpoints, Progress, Restored
@@ -131,10 +133,8 @@ async def next_batch(config: JobConfig, actors: Actors, version: int,
 
 
 async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, checkpoints: Checkpoints,
-                progress: Progress, first_batch: int, wall_offset_s: float) -> None:
+                progress: Progress, first_batch: int, metrics: MetricsLog) -> None:
     state = LoopState()
-    metrics = MetricsLog(checkpoints.run_dir, config.run.steps, progress=config.run.progress,
-                         done_steps=progress.step, wall_offset_s=wall_offset_s)
     settings = RolloutSettings.of(config)
     rollout = asyncio.create_task(rollout_loop(config, actors, fleet, state, first_batch))
     chaos = asyncio.create_task(chaos_monkey(config.chaos, fleet, state.stop)) if config.chaos.every_s else None
@@ -176,7 +176,6 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
             metrics.advance(reward=row["train_reward"], eval=row.get("eval_return"), loss=row.get("loss"))
     finally:
         state.stop.set()
-        metrics.close()
         try:
             await asyncio.wait_for(asyncio.gather(rollout, *([chaos] if chaos else [])),
                                    timeout=config.policy.call_timeout_s)
@@ -190,20 +189,27 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> d
     # A resumed run gets a namespace of its own: the killed attempt's named actors may not be gone yet.
     namespace = run_dir.name + (f"-resumed-{time.strftime('%H%M%S')}" if run.resumed else "")
     started_ray = pools.connect(config.cluster, namespace=namespace)
-    actors = None
+    actors = metrics = None
     try:
+        metrics = MetricsLog(run_dir, config.run.steps, progress=config.run.progress, done_steps=progress.step,
+                             wall_offset_s=start.wall_s,
+                             trackers=open_trackers(config.run.loggers, run_dir, to_dict(config), progress.step))
         actors = start_actors(config, env, model_dir, store_name=run_dir.name)
         fleet = Fleet(actors.policies, actors.envs, policy_timeout_s=config.policy.call_timeout_s,
                       env_timeout_s=config.env.call_timeout_s)
         await fleet.start()
         first_batch = await checkpoints.resume(actors, fleet, start) if start.buffer is not None else 0
-        await train(config, env, actors, fleet, checkpoints, progress, first_batch, start.wall_s)
+        await train(config, env, actors, fleet, checkpoints, progress, first_batch, metrics)
         final_policy = await checkpoints.save_policy(actors, "final_policy", config.run.steps)
         final, final_row = await fleet.evaluate(RolloutSettings.of(config), final=True)
         await fleet.settle()
         log.info("final policy: %s", final_policy)
-        return summarize(run, env, actors, fleet, progress, final, final_row)
+        summary = summarize(run, env, actors, fleet, progress, final, final_row)
+        metrics.images(summary["pictures"], config.run.steps)
+        return summary
     finally:
+        if metrics is not None:
+            metrics.close()
         if actors is not None:
             actors.shutdown()
         if started_ray:

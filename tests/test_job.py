@@ -64,7 +64,7 @@ def finished_run(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     try:
         summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"),
-                             f"run.output_dir={out}", *SHORT])
+                             f"run.output_dir={out}", *SHORT, "run.loggers=[jsonl, tensorboard, wandb]"])
         # The exporter publishes every few seconds: give the last step's values time to arrive.
         want = last_logged(Path(summary["run_dir"]))
         deadline = time.monotonic() + 30
@@ -94,6 +94,28 @@ def test_job_writes_metrics_and_a_final_policy(finished_run):
         assert (run_dir / "final_policy" / name).is_file(), name
     assert set(summary) >= {"exact_return", "mc_return", "agreement"}
     assert (run_dir / "config.yaml").read_text().count("kl_coef: 0.05") == 1
+
+
+def test_every_scalar_of_metrics_jsonl_reaches_tensorboard_and_wandb_at_its_step(finished_run):
+    """run.loggers: the job's own rows, read back with TensorBoard's reader and from the offline
+    wandb run's records, and its pictures as images."""
+    import math
+
+    from tracker_files import tensorboard_images, tensorboard_scalars, wandb_history
+
+    _, run_dir = finished_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    wanted = {(key, row["step"]): value for row in rows for key, value in row.items()
+              if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    assert len(wanted) > 100 and {step for _, step in wanted} == {1, 2, 3}
+    board = tensorboard_scalars(run_dir)
+    assert {(key, step) for key, steps in board.items() for step in steps} == set(wanted)
+    assert all(math.isclose(board[k][s], v, rel_tol=1e-6, abs_tol=1e-6) for (k, s), v in wanted.items())
+    assert tensorboard_images(run_dir) == {"learning_curve", "decision_table"}
+    logged = {(key, int(h["_step"])): float(v) for h in wandb_history(run_dir) for key, v in h.items()
+              if not key.startswith(("_", "learning_curve", "decision_table"))}
+    assert logged.keys() == wanted.keys()
+    assert all(math.isclose(logged[k], v, rel_tol=1e-9, abs_tol=1e-9) for k, v in wanted.items())
 
 
 def test_after_every_sync_the_engine_computes_what_the_trainer_computes(finished_run):

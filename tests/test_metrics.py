@@ -86,3 +86,51 @@ def test_progress_off_a_terminal_is_whole_lines():
         bar.update(1)
     assert [line.split(",")[0] for line in every.getvalue().splitlines()] == [f"GRPO step {i}/3 ({100 * i // 3}%)"
                                                                              for i in (1, 2, 3)]
+
+
+def test_every_row_reaches_tensorboard_and_an_offline_wandb_run_at_its_step(tmp_path, monkeypatch, caplog):
+    """The same rows at the same steps, read back with TensorBoard's reader and from wandb's
+    record file; wandb without an API key runs offline and says so (no network is touched)."""
+    import math
+
+    from tracker_files import tensorboard_images, tensorboard_scalars, wandb_history
+
+    from ray_forge.observe.trackers import open_trackers
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with caplog.at_level("INFO"):
+        trackers = open_trackers(("jsonl", "tensorboard", "wandb"), tmp_path, {"run": {"steps": 3}}, resumed_at=0)
+    assert "wandb: offline (no WANDB_API_KEY)" in caplog.text
+    log = MetricsLog(tmp_path, total_steps=3, progress=False, trackers=trackers)
+    for step in (1, 2, 3):
+        log.log(step, train_reward=-0.3 + 0.1 * step, loss=1.0 / step, num_games=64, skipped=False,
+                eval_return=-0.06 if step == 3 else None)
+    log.images([_png(tmp_path / "learning_curve.png")], step=3)
+    log.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    wanted = {(key, row["step"]): value for row in rows for key, value in row.items()
+              if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    board = tensorboard_scalars(tmp_path)
+    assert {(key, step) for key, steps in board.items() for step in steps} == set(wanted)
+    assert all(math.isclose(board[key][step], value, rel_tol=1e-6, abs_tol=1e-6) for (key, step), value in wanted.items())
+    assert tensorboard_images(tmp_path) == {"learning_curve"}
+    history = [h for h in wandb_history(tmp_path) if set(h) - {"_step", "_runtime", "_timestamp"}]
+    logged = {(key, int(h["_step"])): float(v) for h in history for key, v in h.items()
+              if not key.startswith(("_", "learning_curve"))}
+    assert logged.keys() == wanted.keys()
+    assert all(math.isclose(logged[k], v, rel_tol=1e-9, abs_tol=1e-9) for k, v in wanted.items())
+    assert any(key.startswith("learning_curve") for h in history for key in h)  # the picture, as wandb media
+
+
+def _png(path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(2, 2))
+    plt.plot([0, 1], [0, 1])
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -390,6 +390,9 @@ class RunConfig:
     """Save the best-evaluated policy as well as the final one (the final is always saved)."""
     progress: bool = True
     """Show a progress bar."""
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    """Where each metrics row goes: ``metrics.jsonl`` always; tensorboard (``<run_dir>/tensorboard``)
+    and wandb (offline unless ``WANDB_API_KEY`` is set) as well, with the run's pictures."""
     checkpoint_every: int = at_least(0, 10)
     """Write a checkpoint every N steps, and at the last (0: only at the last). ``--resume`` continues from it."""
     keep_checkpoints: int = at_least(1, 2)

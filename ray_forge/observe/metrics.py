@@ -18,6 +18,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from ray_forge import identity
+from ray_forge.observe.trackers import Tracker
 
 EXPORTED = {
     "train_reward": "Mean reward of the games in the step's training batch",
@@ -91,11 +92,12 @@ class MetricsLog:
     """Appends ``metrics.jsonl`` rows (flushed each step, so a crashed run keeps its history)."""
 
     def __init__(self, run_dir: Path, total_steps: int, progress: bool = True, done_steps: int = 0,
-                 wall_offset_s: float = 0.0, desc: str = "GRPO") -> None:
+                 wall_offset_s: float = 0.0, desc: str = "GRPO", trackers: list[Tracker] = ()) -> None:
         """``done_steps`` and ``wall_offset_s``: where a resumed run's rows left off; ``desc``: the
-        progress line's name of the job."""
+        progress line's name of the job; ``trackers``: where each row goes besides the file."""
         import ray
 
+        self.trackers = list(trackers)
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._gauges = RayGauges(run_dir.name) if ray.is_initialized() else None
@@ -113,7 +115,15 @@ class MetricsLog:
         self._file.flush()
         if self._gauges is not None:
             self._gauges.record(row)
+        for tracker in self.trackers:
+            tracker.log(row)
         return row
+
+    def images(self, pngs: list[Path], step: int) -> None:
+        """The run's pictures, to the trackers that show images."""
+        for png in pngs:
+            for tracker in self.trackers:
+                tracker.image(Path(png).stem, Path(png), step)
 
     def advance(self, **postfix: Any) -> None:
         self._bar.set_postfix({k: _short(v) for k, v in postfix.items() if v is not None}, refresh=False)
@@ -121,7 +131,11 @@ class MetricsLog:
 
     def close(self) -> None:
         self._bar.close()
-        self._file.close()
+        if not self._file.closed:
+            self._file.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
