@@ -184,6 +184,12 @@ class _Arenas:
 _SENDING: dict[str, _Arenas] = {}
 
 
+REF_RELEASE_S = 30.0
+"""Least wait for the refs of an arena's last version to be freed: Ray tells the owner that a
+borrower (an engine that read the version) dropped its ref asynchronously, which on a busy machine
+takes seconds, so a short ``weights.timeout_s`` does not bound this wait."""
+
+
 class NixlTransport(StoredTransport):
     def __init__(self, spec: StoreSpec, client: ControllerClient) -> None:
         super().__init__(spec, client)
@@ -210,14 +216,15 @@ class NixlTransport(StoredTransport):
             arenas.slots.append(_Slot())
         slot = arenas.slots[arenas.next]
         arenas.next = (arenas.next + 1) % (self.spec.keep_versions + 1)
-        deadline = time.monotonic() + self.spec.timeout_s
+        wait_s = max(self.spec.timeout_s, REF_RELEASE_S)
+        deadline = time.monotonic() + wait_s
         for view in slot.views.values():  # the views that were put: Ray tracks the objects themselves
             try:
                 self._wait_freed(view, timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise WeightSyncError(
                     f"weights version {version}: the buffers of an older version are still referenced after "
-                    f"{self.spec.timeout_s:.0f}s (a receiver or the controller holds its refs), so they cannot "
+                    f"{wait_s:.0f}s (a receiver or the controller holds its refs), so they cannot "
                     "be written again") from None
         layout = tuple((b.index, b.nbytes) for b in buckets)
         if layout != slot.layout or slot.arena is None or slot.arena.device != device:
