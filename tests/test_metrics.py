@@ -91,9 +91,7 @@ def test_progress_off_a_terminal_is_whole_lines():
 def test_every_row_reaches_tensorboard_and_an_offline_wandb_run_at_its_step(tmp_path, monkeypatch, caplog):
     """The same rows at the same steps, read back with TensorBoard's reader and from wandb's
     record file; wandb without an API key runs offline and says so (no network is touched)."""
-    import math
-
-    from tracker_files import tensorboard_images, tensorboard_scalars, wandb_history
+    from tracker_files import assert_trackers_hold_every_scalar
 
     from ray_forge.observe.trackers import open_trackers
 
@@ -108,19 +106,7 @@ def test_every_row_reaches_tensorboard_and_an_offline_wandb_run_at_its_step(tmp_
                 eval_return=-0.06 if step == 3 else None)
     log.images([_png(tmp_path / "learning_curve.png")], step=3)
     log.close()
-    rows = read_metrics(tmp_path / "metrics.jsonl")
-    wanted = {(key, row["step"]): value for row in rows for key, value in row.items()
-              if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
-    board = tensorboard_scalars(tmp_path)
-    assert {(key, step) for key, steps in board.items() for step in steps} == set(wanted)
-    assert all(math.isclose(board[key][step], value, rel_tol=1e-6, abs_tol=1e-6) for (key, step), value in wanted.items())
-    assert tensorboard_images(tmp_path) == {"learning_curve"}
-    history = [h for h in wandb_history(tmp_path) if set(h) - {"_step", "_runtime", "_timestamp"}]
-    logged = {(key, int(h["_step"])): float(v) for h in history for key, v in h.items()
-              if not key.startswith(("_", "learning_curve"))}
-    assert logged.keys() == wanted.keys()
-    assert all(math.isclose(logged[k], v, rel_tol=1e-9, abs_tol=1e-9) for k, v in wanted.items())
-    assert any(key.startswith("learning_curve") for h in history for key in h)  # the picture, as wandb media
+    assert_trackers_hold_every_scalar(tmp_path, images={"learning_curve"})
 
 
 def _png(path: Path) -> Path:

@@ -48,3 +48,24 @@ def wandb_history(run_dir: Path) -> list[dict[str, str]]:
                 history.append({item.key or "/".join(item.nested_key): item.value_json
                                 for item in record.history.item})
     return history
+
+
+def assert_trackers_hold_every_scalar(run_dir: Path, images: set[str]) -> None:
+    """Every number of ``metrics.jsonl`` is in TensorBoard and in the offline wandb run at its step,
+    nothing else is, and the pictures ``images`` reached both."""
+    import json
+    import math
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    wanted = {(key, row["step"]): value for row in rows for key, value in row.items()
+              if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    board = tensorboard_scalars(run_dir)
+    assert {(key, step) for key, steps in board.items() for step in steps} == set(wanted)
+    assert all(math.isclose(board[k][s], v, rel_tol=1e-6, abs_tol=1e-6) for (k, s), v in wanted.items())
+    assert tensorboard_images(run_dir) == images
+    history = wandb_history(run_dir)
+    logged = {(key, int(h["_step"])): float(v) for h in history for key, v in h.items()
+              if not key.startswith(("_", *images))}
+    assert logged.keys() == wanted.keys()
+    assert all(math.isclose(logged[k], v, rel_tol=1e-9, abs_tol=1e-9) for k, v in wanted.items())
+    assert {name for name in images if any(key.startswith(name) for h in history for key in h)} == images
