@@ -1,5 +1,7 @@
 """BlackJack env rendering, parsing and the exact evaluator against reference values (no Ray)."""
 
+from collections import Counter
+
 import pytest
 
 from envs.blackjack import BlackjackTextEnv, State, evaluate_table, optimal_table, parse_action, render_state
@@ -199,3 +201,108 @@ def test_the_decision_table_picture_marks_unreadable_answers(tmp_path):
     clean = decision_table_png(read["decisions"], tmp_path / "clean.png")
     with pytest.raises(AssertionError, match="pixels"):
         assert_drawn(clean, areas={UNREADABLE: 2 * CELLS})
+
+
+def _outcomes(deal_and_play, num_games: int) -> dict[str, Counter]:
+    """What a player sees and gets over ``num_games`` games, played by a state-dependent rule (hit
+    below 17, or below 18 on a soft hand): first state's parts, the number of hits, the reward."""
+    seen = {"player_sum": Counter(), "dealer_card": Counter(), "soft": Counter(), "hits": Counter(),
+            "reward": Counter(), "reward_by_dealer_card": Counter()}
+    for first, hits, reward in deal_and_play(num_games):
+        seen["player_sum"][first[0]] += 1
+        seen["dealer_card"][first[1]] += 1
+        seen["soft"][first[2]] += 1
+        seen["hits"][min(hits, 3)] += 1
+        seen["reward"][reward] += 1
+        seen["reward_by_dealer_card"][(first[1], reward)] += 1
+    return seen
+
+
+def _hits(state) -> bool:
+    return state[0] < (18 if state[2] else 17)
+
+
+def _ours(num_games: int):
+    envs = [BlackjackTextEnv() for _ in range(num_games)]
+    BlackjackTextEnv.reset_all(envs, list(range(num_games)))
+    for env in envs:
+        first, hits = tuple(env.state), 0
+        while True:
+            result = env.step("HIT" if _hits(env.state) else "STICK")
+            if result.done:
+                yield first, hits, result.reward
+                break
+            hits += 1
+
+
+def _gymnasium(num_games: int):
+    import gymnasium as gym
+
+    env = gym.make("Blackjack-v1", sab=False, natural=False)
+    for seed in range(10**6, 10**6 + num_games):
+        obs, _ = env.reset(seed=seed)
+        first, hits = (int(obs[0]), int(obs[1]), bool(obs[2])), 0
+        while True:
+            obs, reward, terminated, truncated, _ = env.step(int(_hits(obs)))
+            if terminated or truncated:
+                yield first, hits, float(reward)
+                break
+            hits += 1
+
+
+def _homogeneous(a: Counter, b: Counter) -> float:
+    """p-value of a chi-square test that two samples come from one distribution (cells with fewer
+    than 10 games in all pooled into one)."""
+    from scipy.stats import chi2_contingency
+
+    keys = sorted(set(a) | set(b), key=repr)
+    big = [k for k in keys if a[k] + b[k] >= 10]
+    rest = [k for k in keys if a[k] + b[k] < 10]
+    columns = [(a[k], b[k]) for k in big] + ([(sum(a[k] for k in rest), sum(b[k] for k in rest))] if rest else [])
+    return chi2_contingency(list(zip(*columns))).pvalue
+
+
+def test_the_cards_and_outcomes_are_distributed_as_gymnasium_blackjack_v1s():
+    """The env deals its own cards (``envs.blackjack.cards``); gymnasium's Blackjack-v1, played by
+    the same rule in this test, must be indistinguishable from it: the first state, the number of
+    hits and the reward (overall and by the dealer's card)."""
+    ours, theirs = _outcomes(_ours, 40_000), _outcomes(_gymnasium, 40_000)
+    for name in ours:
+        assert _homogeneous(ours[name], theirs[name]) > 1e-4, (name, ours[name], theirs[name])
+    assert set(ours["player_sum"]) == set(range(4, 22)) and set(ours["dealer_card"]) == set(range(1, 11))
+
+
+def test_the_homogeneity_check_tells_a_deck_without_face_cards_apart():
+    """The check above can fail: the same games dealt from a deck whose 10s are a quarter as
+    likely (no face cards) are told apart from gymnasium's."""
+    import numpy as np
+
+    from envs.blackjack import cards
+
+    no_faces = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 2, 3, 4], dtype=np.int64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cards, "RANKS", no_faces)
+        ours = _outcomes(_ours, 40_000)
+    theirs = _outcomes(_gymnasium, 40_000)
+    assert _homogeneous(ours["reward"], theirs["reward"]) < 1e-6
+    assert _homogeneous(ours["player_sum"], theirs["player_sum"]) < 1e-6
+
+
+def test_a_batch_deals_each_game_the_cards_of_its_seed_and_long_games_draw_on():
+    from envs.blackjack.cards import CARDS_DEALT, deal
+
+    batch = [BlackjackTextEnv() for _ in range(3)]
+    prompts = BlackjackTextEnv.reset_all(batch, [5, 6, 7])
+    assert prompts == [BlackjackTextEnv().reset(seed) for seed in (5, 6, 7)]
+    # Card k of a seed does not depend on where the deal starts: a long game draws on the same stream.
+    assert (deal([5], 0, 2 * CARDS_DEALT)[0, CARDS_DEALT:] == deal([5], CARDS_DEALT, CARDS_DEALT)[0]).all()
+    # A game dealt only its four first cards plays every seed as one dealt the usual dozen.
+    for seed in range(300):
+        whole, short = BlackjackTextEnv(), BlackjackTextEnv()
+        whole.reset(seed)
+        short._start(seed, deal([seed], 0, 4)[0].tolist())
+        for action in ("HIT", "HIT", "STICK"):
+            a, b = whole.step(action), short.step(action)
+            assert (a, whole.state) == (b, short.state)
+            if a.done:
+                break

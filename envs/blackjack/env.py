@@ -10,8 +10,7 @@ from __future__ import annotations
 import string
 from typing import NamedTuple
 
-import gymnasium as gym
-
+from envs.blackjack.cards import CARDS_DEALT, deal
 from ray_forge.config.schema import EnvConfig
 from ray_forge.core.env import StepResult, TextEnv
 
@@ -27,6 +26,30 @@ class State(NamedTuple):
     dealer_card: int
     """1 is an ace."""
     usable_ace: bool
+
+
+class _Hand:
+    """A hand's cards as their sum and whether it holds an ace: all gymnasium's rules read."""
+
+    __slots__ = ("first", "cards_sum", "has_ace")
+
+    def __init__(self, *cards: int) -> None:
+        self.first, self.cards_sum, self.has_ace = cards[0], 0, False
+        for card in cards:
+            self.add(card)
+
+    def add(self, card: int) -> None:
+        self.cards_sum += card
+        self.has_ace = self.has_ace or card == 1
+
+    @property
+    def usable_ace(self) -> bool:
+        """An ace that can count 11 without busting."""
+        return self.has_ace and self.cards_sum + 10 <= 21
+
+    @property
+    def total(self) -> int:
+        return self.cards_sum + 10 if self.usable_ace else self.cards_sum
 
 
 def render_state(state: State) -> str:
@@ -57,32 +80,61 @@ def outcome_text(reward: float) -> str:
 
 
 class BlackjackTextEnv(TextEnv):
-    """gymnasium's Blackjack-v1 behind the ``TextEnv`` protocol."""
+    """gymnasium's Blackjack-v1 (sab=False, natural=False) behind the ``TextEnv`` protocol, dealt by
+    ``envs.blackjack.cards``: the same rules and card odds, so the same exact values, without a
+    NumPy call per card. ``reset_all`` deals a whole batch of games in one call."""
 
     action_words = ACTION_WORDS
 
     def __init__(self, invalid_action_penalty: float = DEFAULT_PENALTY) -> None:
-        # One env per game in a batch: gymnasium's passive checker would inspect every new one's first calls.
-        self._env = gym.make("Blackjack-v1", sab=False, natural=False, disable_env_checker=True)
         self._penalty = invalid_action_penalty
         self.state: State | None = None
+        self._seed, self._cards, self._next = 0, [], 0
+        self._player = self._dealer = _Hand(0)  # dealt by reset
 
     def reset(self, seed: int) -> str:
         """Same seed, same cards: GRPO groups compare decisions on identical deals."""
-        obs, _ = self._env.reset(seed=seed)
-        self.state = State(int(obs[0]), int(obs[1]), bool(obs[2]))
+        return self._start(seed, deal([seed])[0].tolist())
+
+    @classmethod
+    def reset_all(cls, envs: list[BlackjackTextEnv], seeds: list[int]) -> list[str | Exception]:
+        """Every game's cards in one vectorised deal."""
+        decks = deal(seeds).tolist() if seeds else []
+        return [env._start(seed, deck) for env, seed, deck in zip(envs, seeds, decks, strict=True)]
+
+    def _start(self, seed: int, cards: list[int]) -> str:
+        self._seed, self._cards, self._next = seed, cards, 0
+        self._player, self._dealer = _Hand(self._draw(), self._draw()), _Hand(self._draw(), self._draw())
+        self.state = self._observe()
         return render_state(self.state)
+
+    def _draw(self) -> int:
+        if self._next == len(self._cards):  # a long game: the next cards of the same stream
+            self._cards += deal([self._seed], self._next, CARDS_DEALT)[0].tolist()
+        self._next += 1
+        return self._cards[self._next - 1]
+
+    def _observe(self) -> State:
+        return State(self._player.total, self._dealer.first, self._player.usable_ace)
 
     def step(self, action_text: str) -> StepResult:
         action = parse_action(action_text)
         if action is None:
             self.state = None
             return StepResult(outcome_text(self._penalty), self._penalty, True, {"error": "invalid action"})
-        obs, reward, terminated, truncated, _ = self._env.step(action)
-        done = bool(terminated or truncated)
-        self.state = None if done else State(int(obs[0]), int(obs[1]), bool(obs[2]))
-        text = outcome_text(reward) if done else render_state(self.state)
-        return StepResult(text, float(reward), done, {"action": action})
+        if action == 1:
+            self._player.add(self._draw())
+            if self._player.total <= 21:
+                self.state = self._observe()
+                return StepResult(render_state(self.state), 0.0, False, {"action": action})
+            reward = -1.0
+        else:
+            while self._dealer.total < 17:
+                self._dealer.add(self._draw())
+            dealer = 0 if self._dealer.total > 21 else self._dealer.total
+            reward = float((self._player.total > dealer) - (self._player.total < dealer))
+        self.state = None
+        return StepResult(outcome_text(reward), reward, True, {"action": action})
 
     @staticmethod
     def corpus() -> list[str]:

@@ -37,6 +37,18 @@ class TextEnv(Protocol):
         """Apply the model's completion. Unparseable text ends the episode with a penalty."""
         ...
 
+    @classmethod
+    def reset_all(cls, envs: list[TextEnv], seeds: list[int]) -> list[str | Exception]:
+        """``reset`` each env with its seed: each game's first prompt, or the error its reset raised.
+        An env that deals a batch cheaper than one game at a time (BlackJack's cards) overrides it."""
+        results: list[str | Exception] = []
+        for env, seed in zip(envs, seeds, strict=True):
+            try:
+                results.append(env.reset(seed))
+            except Exception as err:  # one game's failure must not end the batch
+                results.append(err)
+        return results
+
     def close(self) -> None:
         """Free what the env holds outside this process (a server's session); called at shutdown."""
         return None

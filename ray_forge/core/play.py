@@ -23,7 +23,7 @@ import statistics
 from collections import Counter
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Literal, Protocol
+from typing import Awaitable, Callable, Literal, Protocol, Sequence
 
 from ray_forge.config.schema import ToolConfig
 from ray_forge.core.chat import CHAT_TOKENS, ChatFormat, parse_tool_calls
@@ -54,7 +54,7 @@ class EpisodeRules:
 
 
 class Policy(Protocol):
-    def __call__(self, prompts: list, max_tokens: list[int], stop_ids: tuple[int, ...], call: int) -> Awaitable[list[Turn]]:
+    def __call__(self, prompts: list, max_tokens: list[int], stop_ids: tuple[int, ...], call: int) -> Awaitable[Sequence[Turn]]:
         """One completion per prompt, in order: ``turns`` mode gives observation texts (the engine
         encodes them), ``sequence`` mode token ids, each with its token budget and the ids that
         end a turn. ``call`` counts this play's calls (the source of its sampling seed)."""
@@ -169,16 +169,16 @@ class Play:
 
     def _env_turns(self, games: list[_Game]) -> set[asyncio.Task]:
         if not self.independent:
-            return {asyncio.create_task(self._gather(self._env_turn, games))}
-        return {asyncio.create_task(self._gather(self._env_turn, [g])) for g in games}
+            return {asyncio.create_task(self._gather(self._env_turns_of, games))}
+        return {asyncio.create_task(self._gather(self._env_turns_of, [g])) for g in games}
 
-    async def _gather(self, fn: Callable[[_Game], None], games: list[_Game]) -> tuple[str, list[_Game]]:
-        """``fn`` for every game off the event loop: on the env's threads, one game each, or all
+    async def _gather(self, fn: Callable[[list[_Game]], None], games: list[_Game]) -> tuple[str, list[_Game]]:
+        """``fn`` of the games off the event loop: on the env's threads, one game each, or of all
         of them in one call for a cheap env. Under the run's env timeout."""
         if self.threads is None:
-            work = asyncio.to_thread(lambda: [fn(g) for g in games])
+            work = asyncio.to_thread(fn, games)
         else:
-            work = asyncio.gather(*(asyncio.wrap_future(self.threads.submit(fn, g)) for g in games))
+            work = asyncio.gather(*(asyncio.wrap_future(self.threads.submit(fn, [g])) for g in games))
         try:
             await asyncio.wait_for(work, self.env_timeout_s)
         except asyncio.TimeoutError:
@@ -187,15 +187,23 @@ class Play:
         return "env", games
 
     # -- on a thread: the env's side of a game --------------------------------------------
-    def _start(self, game: _Game) -> None:
-        try:
-            observation = game.env.reset(game.seed)
-            if self.chat is None:
-                game.prompt = observation
-            else:
-                game.builder = SequenceBuilder(self.chat, [_user(observation)], self.rules.strict_template)
-        except Exception as err:  # one game's failure must not end the batch
-            game.end(self.rules.penalty, f"env reset error: {err}")
+    def _start(self, games: list[_Game]) -> None:
+        """Deal the games, all in one ``reset_all`` (an env may deal a batch at once)."""
+        reset_all = getattr(type(games[0].env), "reset_all", TextEnv.reset_all) if games else TextEnv.reset_all
+        for game, observation in zip(games, reset_all([g.env for g in games], [g.seed for g in games]), strict=True):
+            try:
+                if isinstance(observation, Exception):
+                    raise observation
+                if self.chat is None:
+                    game.prompt = observation
+                else:
+                    game.builder = SequenceBuilder(self.chat, [_user(observation)], self.rules.strict_template)
+            except Exception as err:  # one game's failure must not end the batch
+                game.end(self.rules.penalty, f"env reset error: {err}")
+
+    def _env_turns_of(self, games: list[_Game]) -> None:
+        for game in games:
+            self._env_turn(game)
 
     def _env_turn(self, game: _Game) -> None:
         try:
