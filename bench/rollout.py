@@ -6,10 +6,13 @@ One run, the ``make demo`` model and policy settings, the same games:
   batching) and puts each chunk into the replay buffer actor; this process hands out seeds only;
 - ``raw``: afterwards, the very prompts of every turn the rollout asked for (read back from the
   buffer), sent to an engine with the same settings through vLLM's offline ``LLM.generate``, in
-  this process, the same requests the policy actor makes (identical prompts merged), no Ray;
+  this process, the requests each policy call makes (identical prompts merged), no Ray. The
+  policy actor also shares one prompt's request among the calls that ask for it at once (a
+  batch's chunks, the next batch: ``VLLMPolicy._shared``), which one call at a time cannot;
 - ``raw_n_samples``: the same, but each distinct prompt's ``n`` answers sampled by vLLM's own
   sampler (what the policy did before it drew one-token answers from the distribution).
-Target: ``rollout`` at least 0.8x ``raw``. Last line: a JSON object.
+Target: ``rollout`` at least 0.5x ``raw`` (issue 25; it was 0.18x before BlackJack dealt its cards
+in batches and the policy answered a call with arrays). Last line: a JSON object.
 
     python -m bench.rollout [--batches 3] [--chunks 2]
 """
@@ -36,6 +39,7 @@ from ray_forge.actors.policy import PolicyActor
 from ray_forge.actors.rollout import RolloutSettings, batch_groups
 from ray_forge.config import load_config
 from ray_forge.config.schema import BufferConfig, JobConfig
+from ray_forge import identity
 from ray_forge.models.tiny import make_tiny_qwen3
 from ray_forge.run.fleet import Fleet
 
@@ -83,7 +87,8 @@ def raw(model_dir: str, config: JobConfig, calls: list[list[tuple[int, ...]]]) -
         def params(count: int, draws: bool) -> SamplingParams:
             return SamplingParams(n=1 if draws else count, temperature=config.policy.temperature,
                                   logprobs=len(policy.allowed_ids) if draws else 0,
-                                  max_tokens=config.policy.max_tokens, allowed_token_ids=policy.allowed_ids)
+                                  max_tokens=config.policy.max_tokens, allowed_token_ids=policy.allowed_ids,
+                                  skip_clone=True)  # as the policy makes them
 
         seconds = {}
         for name, draws in (("same_requests", policy.draws), ("n_samples", False)):
@@ -112,16 +117,16 @@ def main() -> None:
     model_dir = str(make_tiny_qwen3(Path(tempfile.mkdtemp()) / "tiny", BlackjackTextEnv.corpus(), config.model.tiny))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        policy = PolicyActor.options(name="policy-0", num_cpus=0).remote(
+        policy = PolicyActor.options(name=str(identity.policy(0)), num_cpus=0).remote(
             config.policy, model_dir=model_dir, action_words=ACTION_WORDS, seed=config.run.seed)
-        env = EnvPoolActor.options(name="env-0", num_cpus=0).remote(config.env, registry.get("blackjack").setup({}))
+        env = EnvPoolActor.options(name=str(identity.env(0)), num_cpus=0).remote(config.env, registry.get("blackjack").setup({}))
         buffer = BufferActor.options(num_cpus=0).remote(BufferConfig(max_policy_lag=1_000_000, capacity_games=1 << 30))
         fleet = Fleet([policy], [env], policy_timeout_s=300, env_timeout_s=120)
         asyncio.run(fleet.start())
         asyncio.run(play(config, fleet, buffer, range(1), args.chunks))  # warm-up
         ray.get(buffer.sample.remote(config.grpo.games_per_step, 0), timeout=60)
         # Where the CPU goes: each actor process's CPU seconds during the measured batches.
-        processes = {"policy": psutil.Process(fleet.pids["policy-0"]), "env": psutil.Process(fleet.pids["env-0"])}
+        processes = {"policy": psutil.Process(fleet.pids[identity.policy(0)]), "env": psutil.Process(fleet.pids[identity.env(0)])}
         before = {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
         seconds = asyncio.run(play(config, fleet, buffer, range(1, 1 + args.batches), args.chunks))
         cpu_s = {name: round(sum(p.cpu_times()[:2]) - before[name], 2) for name, p in processes.items()}
@@ -141,9 +146,9 @@ def main() -> None:
                       "raw_decisions_per_s": round(decisions / raw_s["same_requests"]),
                       "raw_n_samples_decisions_per_s": round(decisions / raw_s["n_samples"]),
                       "rollout_vs_raw": round(ratio, 3),
-                          "rollout_vs_raw_n_samples": round(raw_s["n_samples"] / seconds, 3),
+                      "rollout_vs_raw_n_samples": round(raw_s["n_samples"] / seconds, 3),
                       "rollout_s": round(seconds, 3), "raw_s": round(raw_s["same_requests"], 3),
-                      "actor_cpu_s": cpu_s, "target": 0.8, "met": ratio >= 0.8}))
+                      "actor_cpu_s": cpu_s, "target": 0.5, "met": ratio >= 0.5}))
 
 
 if __name__ == "__main__":

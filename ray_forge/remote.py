@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import pickle
+from typing import Any, Generic, TypeVar
 
 import ray
 
 from ray_forge.identity import ActorId
+
+
+T = TypeVar("T")
+
+
+class Pickled(Generic[T]):
+    """A value sent between actors as one ``bytes``, pickled by the standard C pickler. Ray pickles
+    call arguments with cloudpickle, whose Python hook runs once per object: for a batch's
+    thousands of episodes that made the rollout worker's send to the buffer cost more than
+    playing the games."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, value: T) -> None:
+        self.data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def get(self) -> T:
+        return pickle.loads(self.data)
 
 
 class ActorRestarted(RuntimeError):

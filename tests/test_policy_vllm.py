@@ -2,6 +2,7 @@
 greedy parity with the trainer's TorchTitan model, and garbage output handled as a penalty."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -248,3 +249,46 @@ def test_seeded_long_prompts_past_one_step_s_token_budget_do_not_crash_the_engin
         assert [t.response_ids for t in again] == [t.response_ids for t in out]  # seeded: the same completions
     finally:
         engine.shutdown()
+
+
+def test_calls_in_flight_at_once_share_one_request_per_prompt_and_keep_their_own_draws(policy):
+    """Two rollout calls waiting at once on the same states: each distinct prompt costs the engine
+    one request, and each call still draws its own answers, as it would alone (its seed)."""
+    import threading
+
+    states = _prompts(40)
+    alone = [policy.generate(states * 8, seed=seed) for seed in (11, 12)]
+    unblock = threading.Event()
+    policy.loop.run(lambda engine: unblock.wait(60))  # the step loop is busy: both calls' requests queue
+    first_request = next(policy.loop._ids)
+    answers: dict[int, list] = {}
+    calls = [threading.Thread(target=lambda seed=seed: answers.__setitem__(seed, policy.generate(states * 8, seed=seed)))
+             for seed in (11, 12)]
+    for call in calls:
+        call.start()
+    time.sleep(1.0)  # both calls are waiting on the blocked loop
+    unblock.set()
+    for call in calls:
+        call.join(timeout=120)
+    requests = next(policy.loop._ids) - first_request - 1
+    assert requests == len(set(states))
+    assert [t.response_ids for t in answers[11]] == [t.response_ids for t in alone[0]]
+    assert [t.response_ids for t in answers[12]] == [t.response_ids for t in alone[1]]
+    assert [t.response_ids for t in answers[11]] != [t.response_ids for t in answers[12]]
+
+
+def test_answers_travel_as_arrays_and_read_as_turns():
+    """A call's answers: one tuple per distinct prompt, flat arrays per token, read back as the same turns."""
+    import pickle
+
+    from ray_forge.core.episode import Answers, Turn
+
+    prompts = [(1, 2, 3), (1, 2, 4)]
+    hit, stick = (0, (7,), (-0.1,), (3,), " HIT"), (1, (8, 9), (-0.2, -0.3), (3, 4), " STICK now")
+    answers = Answers.build(prompts, [hit, stick, hit, (1, (), (), (), "")])
+    turns = [Turn((1, 2, 3), (7,), (-0.1,), 3, " HIT", (3,)), Turn((1, 2, 4), (8, 9), (-0.2, -0.3), 3, " STICK now", (3, 4)),
+             Turn((1, 2, 3), (7,), (-0.1,), 3, " HIT", (3,)), Turn((1, 2, 4), (), (), -1, "", ())]
+    assert list(answers) == turns and answers == turns and len(answers) == 4
+    assert answers[1] == turns[1] and answers[-1] == turns[-1] and answers[1:3] == turns[1:3]
+    assert pickle.loads(pickle.dumps(answers)) == turns
+    assert answers.texts == (" HIT", " STICK now", "")

@@ -19,6 +19,7 @@ from ray_forge.config.schema import BufferConfig
 from ray_forge.core.algorithm import group_advantages
 from ray_forge.core.batch import groups_to_samples
 from ray_forge.core.episode import Episode
+from ray_forge.remote import Pickled
 
 COUNTERS = ("generated", "trained", "evicted_stale", "dropped_no_signal", "dropped_full")
 """Cumulative game counts, in the order of the identity above."""
@@ -79,8 +80,11 @@ class ReplayBuffer:
         self._added.set()
         return self.num_games()
 
-    def add_chunk(self, batch: int, chunk: int, num_chunks: int, groups: list[list[Episode]]) -> int:
+    def add_chunk(self, batch: int, chunk: int, num_chunks: int,
+                  groups: list[list[Episode]] | Pickled[list[list[Episode]]]) -> int:
         """Chunk ``chunk`` of ``num_chunks`` of batch ``batch``; complete batches enter in order."""
+        if isinstance(groups, Pickled):  # what rollout workers send (see ``Pickled``)
+            groups = groups.get()
         if batch >= self.next_batch:
             self._chunks.setdefault(batch, {})[chunk] = groups
             self._num_chunks[batch] = num_chunks

@@ -75,7 +75,8 @@ class EngineLoop:
         def drop(engine) -> None:
             ids = [rid for rid, future in self._waiting.items() if id(future) in wanted]
             for rid in ids:
-                del self._waiting[rid]
+                # Another call may share the request (see VLLMPolicy._shared): it fails now, not at its own timeout.
+                self._waiting.pop(rid).set_exception(TimeoutError(f"request {rid} was aborted by a caller that gave up"))
             engine.abort_request(ids)
 
         self.run(drop)

@@ -6,11 +6,13 @@ weight update is loaded between two engine steps while the requests in flight wa
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 
 import ray
 import torch
@@ -18,7 +20,7 @@ import torch
 from ray_forge.actors.engine_loop import EngineLoop, token_versions
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import PolicyConfig
-from ray_forge.core.episode import Turn
+from ray_forge.core.episode import Answer, Answers
 from ray_forge.models.devices import require_dtype
 from ray_forge.weights import MixedWeights, StoreSpec, WeightSyncError
 from ray_forge.weights.vllm_receiver import EngineWeights, engine_name
@@ -126,6 +128,14 @@ class VLLMPolicy:
             **_whole_prefills(on_gpu, config.max_model_len),
         )
         self.tokenizer = self.llm.get_tokenizer()
+        # A text env shows the same few prompts again and again (BlackJack: 360 states), and one-token
+        # answers come in few texts: encoded and decoded once each, not once per decision.
+        self._encode = functools.lru_cache(maxsize=TEXT_CACHE)(
+            lambda text: tuple(self.tokenizer.encode(text, add_special_tokens=False)))
+        self._answer_text = functools.lru_cache(maxsize=TEXT_CACHE)(self._decode_after)
+        self._in_flight: dict[tuple, Future] = {}
+        """Waiting distribution requests by (prompt, priority): see ``_shared``."""
+        self._shared_lock = threading.Lock()
         constrain = bool(config.constrain_to_actions and action_words)
         # Single-token action words: restrict every sample to their ids, as the trainer's logits are.
         self.allowed_ids = action_token_ids(self.tokenizer, action_words) if constrain else None
@@ -171,14 +181,14 @@ class VLLMPolicy:
         return self.allowed_ids
 
     def generate(self, prompts: list[str], greedy: bool = False, seed: int | None = None,
-                 priority: int = 0) -> list[Turn]:
+                 priority: int = 0) -> Answers:
         """One completion of up to ``policy.max_tokens`` per text prompt, in order (encoded
-        without special tokens); see :meth:`generate_ids`."""
-        ids = [tuple(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+        without special tokens, each distinct prompt once); see :meth:`generate_ids`."""
+        ids = [self._encode(p) for p in prompts]
         return self.generate_ids(ids, [self.config.max_tokens] * len(ids), (), greedy, seed, priority)
 
     def generate_ids(self, prompts: list[tuple[int, ...]], max_tokens: list[int], stop_ids: tuple[int, ...] = (),
-                     greedy: bool = False, seed: int | None = None, priority: int = 0) -> list[Turn]:
+                     greedy: bool = False, seed: int | None = None, priority: int = 0) -> Answers:
         """One completion per prompt of token ids, in order, token in, token out: the prompt is
         given to the engine as it is, and each turn holds the ids sampled, the end-of-turn or
         tool-call token it stopped at (``stop_ids``) included. Identical prompts become one
@@ -207,36 +217,59 @@ class VLLMPolicy:
                 temperature=0.0 if greedy else self.config.temperature,
                 # Drawing here needs the probability of every allowed token.
                 logprobs=len(self.allowed_ids) if draws else 0,
-                seed=None if seed is None or greedy else (seed + i) % 2**63,
+                # Draws: the engine's own sample is not used, and the request may serve other calls.
+                seed=None if seed is None or greedy or draws else (seed + i) % 2**63,
                 output_kind=RequestOutputKind.FINAL_ONLY,
                 stop_token_ids=list(stop_ids) or None,
                 # Special tokens in the text too: a tool call's tags are what the env reads.
                 skip_special_tokens=not stop_ids,
+                skip_clone=True,  # made for this request alone: the engine need not deep-copy it
                 **constraint(key[1]),
             )
             for i, key in enumerate(unique)
         ]
-        futures = self.loop.submit([(list(key[0]), param) for key, param in zip(unique, params)], priority)
+        requests = [(list(key[0]), param) for key, param in zip(unique, params)]
+        futures, own = self._shared(requests, priority) if draws else (self.loop.submit(requests, priority),) * 2
         deadline = time.monotonic() + self.config.call_timeout_s
         try:
             outputs = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
         except TimeoutError:
-            self.loop.abort(futures)  # the caller has given up on them
+            self.loop.abort(own)  # the caller has given up on them
             raise TimeoutError(f"{len(prompts)} prompts not answered within policy.call_timeout_s="
                                f"{self.config.call_timeout_s:.0f}s") from None
-        pools: dict[tuple, list[Turn]] = {}
+        pools: dict[tuple, list[Answer]] = {}
         for i, (key, request) in enumerate(zip(unique, outputs, strict=True)):
-            prompt_ids = tuple(request.prompt_token_ids)
             if draws:
-                pools[key] = self._draw(prompt_ids, request.outputs[0], counts[key],
+                pools[key] = self._draw(i, tuple(request.prompt_token_ids), request.outputs[0], counts[key],
                                         None if seed is None else (seed + i) % 2**63)
             else:
-                pools[key] = [_turn(prompt_ids, sample) for sample in request.outputs]
-        if greedy:
-            return [pools[k][0] for k in keys]
-        return [pools[k].pop() for k in keys]
+                pools[key] = [_answer(i, sample) for sample in request.outputs]
+        chosen = [pools[k][0] for k in keys] if greedy else [pools[k].pop() for k in keys]
+        return Answers.build([tuple(r.prompt_token_ids) for r in outputs], chosen)
 
-    def _draw(self, prompt_ids: tuple[int, ...], sample, n: int, seed: int | None) -> list[Turn]:
+    def _shared(self, requests: list[tuple[list[int], object]], priority: int) -> tuple[list[Future], list[Future]]:
+        """Futures of the distributions of ``requests`` (draws), each shared with every call that
+        asks for the same prompt while its request is waiting: concurrent rollout calls (a batch's
+        chunks, the next batch) ask for mostly the same few states, and each request costs the engine
+        about as much as its forward. Returns (every request's future, those this call submitted)."""
+        with self._shared_lock:
+            futures = [self._in_flight.get((tuple(p), priority)) for p, _ in requests]
+            new = [r for r, f in zip(requests, futures) if f is None]
+            own = self.loop.submit(new, priority) if new else []
+            submitted = iter(own)
+            futures = [f if f is not None else next(submitted) for f in futures]
+            for (prompt, _), future in zip(new, own):
+                key = (tuple(prompt), priority)
+                self._in_flight[key] = future
+                future.add_done_callback(lambda done, key=key: self._forget(key, done))
+        return futures, own
+
+    def _forget(self, key: tuple, future: Future) -> None:
+        with self._shared_lock:
+            if self._in_flight.get(key) is future:
+                del self._in_flight[key]
+
+    def _draw(self, index: int, prompt_ids: tuple[int, ...], sample, n: int, seed: int | None) -> list[Answer]:
         """``n`` one-token answers drawn from the distribution the engine computed for this prompt
         (its processed logprobs: after the action restriction and the temperature), each with the
         engine's logprob of the token drawn, as vLLM's sampler would have returned them."""
@@ -250,13 +283,15 @@ class VLLMPolicy:
         generator.manual_seed(seed) if seed is not None else generator.seed()
         picks = torch.multinomial(logprobs.exp(), n, replacement=True, generator=generator).tolist()
         [version] = token_versions(sample)
-        # The text as vLLM's detokenizer gives it: what the token adds after the prompt (a word-level
-        # tokenizer puts a space before it).
+        answers = {k: (index, (ids[k],), (float(logprobs[k]),), (version,), self._answer_text(prompt_ids, ids[k]))
+                   for k in set(picks)}
+        return [answers[k] for k in picks]  # one tuple per token drawn, shared by the answers that drew it
+
+    def _decode_after(self, prompt_ids: tuple[int, ...], token: int) -> str:
+        """The text as vLLM's detokenizer gives it: what ``token`` adds after the prompt (a
+        word-level tokenizer puts a space before it)."""
         prompt_text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
-        texts = {k: self.tokenizer.decode(prompt_ids + (ids[k],), skip_special_tokens=True)[len(prompt_text):]
-                 for k in set(picks)}
-        return [Turn(prompt_ids=prompt_ids, response_ids=(ids[k],), logprobs=(float(logprobs[k]),), text=texts[k],
-                     policy_version=version, token_versions=(version,)) for k in picks]
+        return self.tokenizer.decode(prompt_ids + (token,), skip_special_tokens=True)[len(prompt_text):]
 
     def update_weights(self, spec: StoreSpec, version: int) -> dict[str, float]:
         """Take ``version`` from the weight store and load it in place (no engine restart).
@@ -346,12 +381,12 @@ def _restarted_actor() -> bool:
     return context.get_actor_id() is not None and context.was_current_actor_reconstructed
 
 
-def _turn(prompt_ids: tuple[int, ...], sample) -> Turn:
-    """One sampled completion; its policy version is the oldest that sampled any of its tokens."""
-    versions = token_versions(sample)
-    return Turn(prompt_ids=prompt_ids, response_ids=tuple(sample.token_ids),
-                logprobs=tuple(step[tok].logprob for step, tok in zip(sample.logprobs, sample.token_ids)),
-                text=sample.text, policy_version=min(versions, default=-1), token_versions=versions)
+def _answer(index: int, sample) -> Answer:
+    """One sampled completion of the call's ``index``-th distinct prompt, with the policy version
+    of each of its tokens."""
+    return (index, tuple(sample.token_ids),
+            tuple(step[tok].logprob for step, tok in zip(sample.logprobs, sample.token_ids)),
+            token_versions(sample), sample.text)
 
 
 def _die_if_actor(err: BaseException) -> None:
@@ -360,6 +395,9 @@ def _die_if_actor(err: BaseException) -> None:
     if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
         os._exit(1)
 
+
+TEXT_CACHE = 1 << 16
+"""Prompt encodings and one-token answer texts an engine remembers."""
 
 MAX_CONCURRENT_CALLS = 64
 """Calls one engine serves at once: rollout workers' turns and a weight update run side by side."""

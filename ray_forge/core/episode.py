@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
+from itertools import chain
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,75 @@ class Turn:
 
     def versions(self) -> tuple[int, ...]:
         return self.token_versions or (self.policy_version,) * len(self.response_ids)
+
+
+Answer = tuple[int, tuple[int, ...], tuple[float, ...], tuple[int, ...], str]
+"""One completion as an engine reports it: (its prompt's index among the call's distinct prompts,
+response ids, logprobs, each token's policy version, text)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Answers(Sequence[Turn]):
+    """A policy's completions of one call, in order, as a few flat arrays instead of an object per
+    decision: what travels from an engine to a rollout worker (a BlackJack call answers ~600
+    decisions on ~60 distinct prompts). It reads as a sequence of ``Turn``, built on access."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    """Each distinct prompt's token ids, once."""
+    prompt_of: np.ndarray
+    """[N] which of ``prompts`` answer i is for."""
+    ends: np.ndarray
+    """[N] where answer i's tokens end in the flat arrays below (it starts where i - 1 ends)."""
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    token_versions: np.ndarray
+    texts: tuple[str, ...]
+    """Each distinct text, once."""
+    text_of: np.ndarray
+    """[N] which of ``texts`` answer i's is."""
+
+    @classmethod
+    def build(cls, prompts: Sequence[tuple[int, ...]], answers: Sequence[Answer]) -> Answers:
+        table: dict[str, int] = {}
+        text_of = [table.setdefault(a[4], len(table)) for a in answers]
+        return cls(prompts=tuple(prompts), prompt_of=np.fromiter((a[0] for a in answers), np.int64, len(answers)),
+                   ends=np.cumsum([len(a[1]) for a in answers], dtype=np.int64),
+                   response_ids=np.fromiter(chain.from_iterable(a[1] for a in answers), np.int64),
+                   logprobs=np.fromiter(chain.from_iterable(a[2] for a in answers), np.float64),
+                   token_versions=np.fromiter(chain.from_iterable(a[3] for a in answers), np.int64),
+                   texts=tuple(table), text_of=np.asarray(text_of, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.turns()[index]
+        return self.turns()[index] if index < 0 else self._turns(index, index + 1)[0]
+
+    def __iter__(self):
+        return iter(self.turns())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def turns(self) -> list[Turn]:
+        return self._turns(0, len(self))
+
+    def _turns(self, first: int, last: int) -> list[Turn]:
+        base = int(self.ends[first - 1]) if first else 0
+        starts = [base, *self.ends[first:last].tolist()]
+        ids, logprobs, versions = (a[base:starts[-1]].tolist() for a in (self.response_ids, self.logprobs,
+                                                                            self.token_versions))
+        turns = []
+        for i, prompt, text in zip(range(last - first), self.prompt_of[first:last].tolist(),
+                                   self.text_of[first:last].tolist()):
+            start, end = starts[i] - base, starts[i + 1] - base
+            tokens = tuple(versions[start:end])
+            turns.append(Turn(prompt_ids=self.prompts[prompt], response_ids=tuple(ids[start:end]),
+                              logprobs=tuple(logprobs[start:end]), policy_version=min(tokens, default=-1),
+                              text=self.texts[text], token_versions=tokens))
+        return turns
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ async def check(policy, name: ActorId, trainer, prompts: list[str], *, seed: int
     greedy, sampled = await asyncio.gather(
         call(policy.generate.remote(prompts, True, None, -1), timeout_s=timeout_s, what="generate", actor=name),
         call(policy.generate.remote(prompts, False, seed, -1), timeout_s=timeout_s, what="generate", actor=name))
-    scored = await trainer.score([(t.prompt_ids, t.response_ids) for t in greedy + sampled])
+    scored = await trainer.score([(t.prompt_ids, t.response_ids) for t in [*greedy, *sampled]])
     row = compare(greedy, scored[:len(greedy)], sampled, scored[len(greedy):])
     if row["sync_greedy_agreement"] < 1.0 or row["sync_logprob_max_diff"] > tolerance:
         log.error("%s disagrees with the trainer after the sync: greedy agreement %.4f, largest logprob "
