@@ -7,7 +7,8 @@ policies and a TorchTitan trainer.
 
 The algorithm is the two loops below: ``rollout_loop`` plays batches of games against the policy
 engines into the replay buffer while ``train`` takes batches from it, trains a step, syncs the
-weights to the engines, and now and then checks the sync, evaluates and checkpoints. The rest
+weights to the engines and now and then checkpoints; the step's sync check and evaluation
+(``close_step``) run while the next batch comes in. The rest
 lives in ``ray_forge/run/``: the fleet (engines and env actors that die are restarted and their
 games replayed), checkpoints and resume. The env (``env.name``) decides its games, its evaluation
 and its pictures.
@@ -61,6 +62,9 @@ class LoopState:
     """Time some batch was in play: the rates divide by it."""
     batch_seconds: list[float] = dataclasses.field(default_factory=list)
     """How long each batch finished since the last metrics row was in play."""
+    played: set[int] = dataclasses.field(default_factory=set)
+    """Batches wholly in the buffer (``buffer.fixed_lag`` waits for them)."""
+    progress: asyncio.Condition = dataclasses.field(default_factory=asyncio.Condition)
 
     def rates(self) -> dict[str, float | None]:
         """The rollout's rates for a metrics row; starts the next row's batch times."""
@@ -92,6 +96,9 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
         state.generated_tokens += sum(c["tokens"] for c in counts)
         state.played_games += sum(c["games"] for c in counts)
         state.batch_seconds.append(time.monotonic() - start)
+        async with state.progress:
+            state.played.add(batch)
+            state.progress.notify_all()
 
     try:
         while not state.stop.is_set() or playing:
@@ -132,12 +139,27 @@ async def next_batch(config: JobConfig, actors: Actors, version: int,
     return batch
 
 
+async def played(state: LoopState, batches: range, rollout: asyncio.Task) -> None:
+    """Until every batch of ``batches`` is in the buffer; fails if the rollout loop dies first."""
+    async def all_played() -> None:
+        async with state.progress:
+            await state.progress.wait_for(lambda: state.played.issuperset(batches))
+
+    wait = asyncio.ensure_future(all_played())
+    await asyncio.wait({wait, rollout}, return_when=asyncio.FIRST_COMPLETED)
+    if not wait.done():
+        wait.cancel()
+        rollout.result()  # re-raises the rollout's error
+        raise RuntimeError("rollout loop stopped before its batches were played")
+
+
 async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, checkpoints: Checkpoints,
                 progress: Progress, first_batch: int, metrics: MetricsLog) -> None:
     state = LoopState()
     settings = RolloutSettings.of(config)
     rollout = asyncio.create_task(rollout_loop(config, actors, fleet, state, first_batch))
     chaos = asyncio.create_task(chaos_monkey(config.chaos, fleet, state.stop)) if config.chaos.every_s else None
+    closing: asyncio.Task | None = None
     try:
         if config.run.eval_before_train and progress.step == 0:
             (result, row), eval_s = await timed(fleet.evaluate(settings), "eval_s")
@@ -146,41 +168,59 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
         for step in range(progress.step + 1, config.run.steps + 1):
             step_start = time.monotonic()
             batch_stats, samples = await next_batch(config, actors, step - 1, rollout)
+            if closing is not None:  # the last step's checks ran while this batch came in
+                await closing
             ref = None
             if actors.reference is not None and batch_stats["num_rows"]:
                 ref = actors.reference.logprobs.remote(samples)
                 await computed(ref, timeout_s=config.reference.call_timeout_s, what="ref.logprobs")  # for the trainer
             train_stats, train_s = await timed(actors.trainer.train_step(samples, ref), "train_s")
+            if config.buffer.fixed_lag:  # the batches the new weights must not reach are played first
+                await played(state, range(first_batch, step + config.buffer.max_policy_lag), rollout)
             sync = await fleet.sync_weights(actors.trainer, actors.store.spec, step)
-            check_due = bool(config.run.sync_check_every) and step % config.run.sync_check_every == 0
-            eval_due = bool(config.run.eval_every) and (step % config.run.eval_every == 0 or step == config.run.steps)
-            # Neither changes a weight (the check reads policy-0 and the trainer, the evaluation
-            # policy-0 and env-0), and no sync comes until both are done: side by side.
-            (checked, check_s), (evaluated, eval_s) = await asyncio.gather(
-                timed(fleet.check_sync(actors.trainer, env.probe_prompts(), seed=config.run.seed + step,
-                                       tolerance=config.run.sync_check_tolerance) if check_due else None,
-                      "sync_check_s"),
-                timed(fleet.evaluate(settings) if eval_due else None, "eval_s"))
-            row = dict(**batch_stats, **train_stats, **train_s, **sync, **(checked or {}), **check_s, **state.rates(),
-                       **await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats"), **fleet.stats())
-            if evaluated is not None:
-                result, eval_row = evaluated
-                row.update(eval_row, **eval_s)
-                await checkpoints.keep_evaluation(actors, progress, step, result, eval_row)
+            row = dict(**batch_stats, **train_stats, **train_s, **sync, **state.rates(), **fleet.stats(),
+                       **await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats"))
             progress.step, progress.row = step, row
             if step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
+                # Now, before the next batch leaves the buffer (its row is written back on resume if lost).
                 progress.counts = {k: row[k] for k in CARRIED}
                 row["checkpoint_s"] = await checkpoints.save(actors, progress)
-            row["step_time_s"] = time.monotonic() - step_start
-            metrics.log(step, **row)
-            metrics.advance(reward=row["train_reward"], eval=row.get("eval_return"), loss=row.get("loss"))
+            closing = asyncio.create_task(close_step(config, env, actors, fleet, checkpoints, progress, metrics,
+                                                     step, row, step_start))
+            if config.run.keep_best:  # a best policy is saved from the trainer, before it trains on
+                await closing
+        if closing is not None:
+            await closing
     finally:
         state.stop.set()
+        if closing is not None and not closing.done():
+            closing.cancel()
         try:
             await asyncio.wait_for(asyncio.gather(rollout, *([chaos] if chaos else [])),
                                    timeout=config.policy.call_timeout_s)
         except Exception as err:  # the rollout's own error was already raised by next_batch
             log.debug("rollout loop ended: %s", err)
+
+
+async def close_step(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, checkpoints: Checkpoints,
+                     progress: Progress, metrics: MetricsLog, step: int, row: dict, step_start: float) -> None:
+    """A step's sync check and evaluation, then its metrics row. It runs while the next batch comes
+    in, off the training loop's path; the next step trains and syncs only after it, so the check
+    reads the trainer and policy-0, and the evaluation policy-0, as this step left them."""
+    check_due = bool(config.run.sync_check_every) and step % config.run.sync_check_every == 0
+    eval_due = bool(config.run.eval_every) and (step % config.run.eval_every == 0 or step == config.run.steps)
+    (checked, check_s), (evaluated, eval_s) = await asyncio.gather(
+        timed(fleet.check_sync(actors.trainer, env.probe_prompts(), seed=config.run.seed + step,
+                               tolerance=config.run.sync_check_tolerance) if check_due else None, "sync_check_s"),
+        timed(fleet.evaluate(RolloutSettings.of(config)) if eval_due else None, "eval_s"))
+    row.update(**(checked or {}), **check_s)
+    if evaluated is not None:
+        result, eval_row = evaluated
+        row.update(eval_row, **eval_s)
+        await checkpoints.keep_evaluation(actors, progress, step, result, eval_row)
+    row.update(fleet.stats(), step_time_s=time.monotonic() - step_start)  # the restarts and kills until now
+    metrics.log(step, **row)
+    metrics.advance(reward=row["train_reward"], eval=row.get("eval_return"), loss=row.get("loss"))
 
 
 async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> dict:

@@ -87,6 +87,9 @@ def test_job_writes_metrics_and_a_final_policy(finished_run):
     assert "eval_return" in rows[-1] and -1.0 <= rows[-1]["eval_return"] <= 1.0
     assert any(r["kl"] > 0 for r in rows[1:])  # the reference actor ran and the policy moved away from it
     assert rows[-1]["version"] == 3
+    # buffer.fixed_lag (the demo's): batch b is played wholly by version b - 1, whatever the machine's
+    # pace, and trained at step b + 1, from version b: no weights landed in the middle of a batch.
+    assert [(r["policy_lag"], r["policy_lag_max"]) for r in rows] == [(0.0, 0), (1.0, 1), (1.0, 1)]
     # Every weight push went through the store, and both engines ended on the last version.
     assert summary["weight_transport"] == summary["weight_route"] == "shm" and summary["policy_versions"] == [3, 3]
     assert all(0 < r["weight_publish_s"] + r["weight_load_s"] <= r["weight_sync_s"] for r in rows)

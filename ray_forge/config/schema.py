@@ -242,6 +242,12 @@ class BufferConfig:
     max_policy_lag: int = at_least(0, 1)
     """Episodes more than this many policy versions behind the trainer are evicted, and
     rollouts may run at most this many steps ahead of training."""
+    fixed_lag: bool = False
+    """Play every batch with exactly the policy ``max_policy_lag`` versions behind the step that
+    trains on it: a weight sync waits until the batches that must not see it are played. Then
+    no version changes mid-batch and a run's data do not depend on how fast the machine is (its
+    load); at the cost of idle engines while a batch's last games finish. False: a batch starts
+    as soon as the lag allows, and new weights land in the middle of the batches in play."""
     max_uses: int = at_least(1, 1)
     """How many times an episode may be handed out for training (1 = never twice)."""
     capacity_games: int = at_least(1, 65536)
