@@ -1,4 +1,4 @@
-"""BlackJack (gymnasium Blackjack-v1, sab=False, natural=False) as a multi-turn text env."""
+"""BlackJack (the rules of gymnasium Blackjack-v1, sab=False, natural=False; its own dealing) as a multi-turn text env."""
 
 from envs.blackjack.env import ACTION_WORDS, DEFAULT_PENALTY, BlackjackTextEnv, State, parse_action, render_state
 from envs.blackjack.exact import DecisionTable, evaluate_table, optimal_table

@@ -37,7 +37,7 @@ def decision_table(decide: Decide) -> tuple[dict[State, float], frozenset[State]
 
 def monte_carlo_return(table: DecisionTable, num_games: int, seed: int = 10**9, invalid: Collection[State] = (),
                        penalty: float = DEFAULT_PENALTY) -> tuple[float, float]:
-    """(mean return, standard error) of ``num_games`` real gymnasium games played by ``table``;
+    """(mean return, standard error) of ``num_games`` games dealt by the env (``envs.blackjack.cards``) and played by ``table``;
     in an ``invalid`` state the env is given an unparseable answer, so it scores it itself."""
     invalid = frozenset(invalid)
     env = BlackjackTextEnv(invalid_action_penalty=penalty)

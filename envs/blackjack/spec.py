@@ -14,7 +14,7 @@ from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayEpisodes
 
 @dataclass(frozen=True, kw_only=True)
 class BlackjackOptions:
-    """BlackJack (``env.name: blackjack``): gymnasium's Blackjack-v1, the cards shown in each prompt."""
+    """BlackJack (``env.name: blackjack``): gymnasium Blackjack-v1's rules, the cards shown in each prompt."""
 
     mc_games: int = 20000
     """Monte-Carlo games in the final evaluation, a cross-check of the exact return (0: none)."""
