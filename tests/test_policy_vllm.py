@@ -211,6 +211,34 @@ def test_draws_follow_the_engines_distribution(policy, monkeypatch):
         assert abs(share - p) < 4 * math.sqrt(p * (1 - p) / len(drawn)) + 1e-3
 
 
+def test_calls_in_flight_at_once_share_one_request_per_prompt_and_keep_their_own_draws(policy):
+    """Two rollout calls waiting at once on the same states: each distinct prompt costs the engine
+    one request, and each call still draws its own answers, as it would alone (its seed).
+    (Before the tests that start and shut down engines of their own: a shutdown tears down vLLM's
+    process-wide parallel state, which the module's engine needs.)"""
+    import threading
+
+    states = _prompts(40)
+    alone = [policy.generate(states * 8, seed=seed) for seed in (11, 12)]
+    unblock = threading.Event()
+    policy.loop.run(lambda engine: unblock.wait(60))  # the step loop is busy: both calls' requests queue
+    first_request = next(policy.loop._ids)
+    answers: dict[int, list] = {}
+    calls = [threading.Thread(target=lambda seed=seed: answers.__setitem__(seed, policy.generate(states * 8, seed=seed)))
+             for seed in (11, 12)]
+    for call in calls:
+        call.start()
+    time.sleep(1.0)  # both calls are waiting on the blocked loop
+    unblock.set()
+    for call in calls:
+        call.join(timeout=120)
+    requests = next(policy.loop._ids) - first_request - 1
+    assert requests == len(set(states))
+    assert [t.response_ids for t in answers[11]] == [t.response_ids for t in alone[0]]
+    assert [t.response_ids for t in answers[12]] == [t.response_ids for t in alone[1]]
+    assert [t.response_ids for t in answers[11]] != [t.response_ids for t in answers[12]]
+
+
 def test_garbage_model_output_is_a_penalised_game(tiny_model_dir):
     """Unconstrained, a random model emits arbitrary words: games end with the penalty, nothing hangs."""
     engine = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=3, kv_cache_mb=64),
@@ -249,32 +277,6 @@ def test_seeded_long_prompts_past_one_step_s_token_budget_do_not_crash_the_engin
         assert [t.response_ids for t in again] == [t.response_ids for t in out]  # seeded: the same completions
     finally:
         engine.shutdown()
-
-
-def test_calls_in_flight_at_once_share_one_request_per_prompt_and_keep_their_own_draws(policy):
-    """Two rollout calls waiting at once on the same states: each distinct prompt costs the engine
-    one request, and each call still draws its own answers, as it would alone (its seed)."""
-    import threading
-
-    states = _prompts(40)
-    alone = [policy.generate(states * 8, seed=seed) for seed in (11, 12)]
-    unblock = threading.Event()
-    policy.loop.run(lambda engine: unblock.wait(60))  # the step loop is busy: both calls' requests queue
-    first_request = next(policy.loop._ids)
-    answers: dict[int, list] = {}
-    calls = [threading.Thread(target=lambda seed=seed: answers.__setitem__(seed, policy.generate(states * 8, seed=seed)))
-             for seed in (11, 12)]
-    for call in calls:
-        call.start()
-    time.sleep(1.0)  # both calls are waiting on the blocked loop
-    unblock.set()
-    for call in calls:
-        call.join(timeout=120)
-    requests = next(policy.loop._ids) - first_request - 1
-    assert requests == len(set(states))
-    assert [t.response_ids for t in answers[11]] == [t.response_ids for t in alone[0]]
-    assert [t.response_ids for t in answers[12]] == [t.response_ids for t in alone[1]]
-    assert [t.response_ids for t in answers[11]] != [t.response_ids for t in answers[12]]
 
 
 def test_answers_travel_as_arrays_and_read_as_turns():
