@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Awaitable, TypeVar
 
 import ray
 
@@ -46,6 +47,7 @@ from ray_forge.run.summary import summarize
 from ray_forge.weights import WeightSyncError
 
 log = logging.getLogger("grpo")
+T = TypeVar("T")
 
 RUN_FAULTS = (RemoteCallError, FleetError, CheckpointError, WeightSyncError, TimeoutError)
 """Faults a run can meet (a dead trainer, a full disk, ...): the run stops, resumable."""
@@ -126,15 +128,10 @@ async def next_batch(config: JobConfig, actors: Actors, version: int,
     """A step's games, made into samples by the buffer: (their statistics, a reference to the samples,
     which the trainer fetches itself). Fails if the rollout loop dies first."""
     limit_s = 2 * RolloutSettings.of(config).play_limit_s  # a backstop: every rollout call has its own timeout
-    wait = asyncio.ensure_future(call(
+    batch = await beside(rollout, call(
         actors.buffer.wait_batch.remote(config.grpo.games_per_step, version, config.trainer.merge_identical, limit_s),
-        timeout_s=limit_s + 60, what="buffer.wait_batch"))
-    await asyncio.wait({wait, rollout}, return_when=asyncio.FIRST_COMPLETED)
-    if not wait.done():
-        wait.cancel()
-        rollout.result()  # re-raises the rollout's error
-        raise RuntimeError("rollout loop stopped before training finished")
-    if (batch := wait.result()) is None:
+        timeout_s=limit_s + 60, what="buffer.wait_batch"), "training finished")
+    if batch is None:
         raise TimeoutError(f"no training batch within {limit_s:.0f}s")
     return batch
 
@@ -145,12 +142,18 @@ async def played(state: LoopState, batches: range, rollout: asyncio.Task) -> Non
         async with state.progress:
             await state.progress.wait_for(lambda: state.played.issuperset(batches))
 
-    wait = asyncio.ensure_future(all_played())
+    await beside(rollout, all_played(), "its batches were played")
+
+
+async def beside(rollout: asyncio.Task, work: Awaitable[T], what: str) -> T:
+    """``work``'s result, unless the rollout loop dies first: then its error."""
+    wait = asyncio.ensure_future(work)
     await asyncio.wait({wait, rollout}, return_when=asyncio.FIRST_COMPLETED)
     if not wait.done():
         wait.cancel()
         rollout.result()  # re-raises the rollout's error
-        raise RuntimeError("rollout loop stopped before its batches were played")
+        raise RuntimeError(f"rollout loop stopped before {what}")
+    return wait.result()
 
 
 async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, checkpoints: Checkpoints,
