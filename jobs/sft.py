@@ -80,7 +80,7 @@ async def train(config: SFTConfig, trainer: TrainerGroup, run_dir: Path, train_r
                                                                      and step % config.run.eval_every == 0)):
                 row["eval_loss"] = await trainer.sft_eval(held_out)
             if step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                row["checkpoint_s"] = await save_checkpoint(config, trainer, run_dir, step)
+                row["checkpoint_s"] = await save_checkpoint(config, trainer, run_dir, step, row)
             row["step_time_s"] = time.monotonic() - start
             metrics.log(step, **row)
             metrics.advance(loss=row["loss"], eval_loss=row.get("eval_loss"))
@@ -89,7 +89,9 @@ async def train(config: SFTConfig, trainer: TrainerGroup, run_dir: Path, train_r
     return row
 
 
-async def save_checkpoint(config: SFTConfig, trainer: TrainerGroup, run_dir: Path, step: int) -> float:
+async def save_checkpoint(config: SFTConfig, trainer: TrainerGroup, run_dir: Path, step: int, row: dict) -> float:
+    """The trainer's shards, and the step's metrics row: a kill before the row is logged leaves it
+    to the resumed run to write (``truncate_metrics``)."""
     start = time.monotonic()
     staging = checkpoint.staging_dir(run_dir, step)
     try:
@@ -97,7 +99,7 @@ async def save_checkpoint(config: SFTConfig, trainer: TrainerGroup, run_dir: Pat
     except ray.exceptions.RayTaskError as err:
         raise checkpoint.failed(run_dir, step, staging, RuntimeError(str(err).strip().splitlines()[-1])) from None
     expected = [checkpoint.DCP_METADATA] + [checkpoint.rank_file(r) for r in range(config.trainer.num_ranks)]
-    checkpoint.commit(run_dir, step, staging, {"step": step}, config.run.keep_checkpoints, expected)
+    checkpoint.commit(run_dir, step, staging, {"step": step, "row": row}, config.run.keep_checkpoints, expected)
     return time.monotonic() - start
 
 
@@ -116,10 +118,11 @@ async def run_job(run: Run, model_dir: str, train_rows, eval_rows) -> dict:
         first_step, wall = 1, 0.0
         if run.resume_from is not None:
             done = await trainer.load_checkpoint(str(run.resume_from))
-            if done != checkpoint.read_driver_state(run.resume_from)["step"]:
+            saved = checkpoint.read_driver_state(run.resume_from)
+            if done != saved["step"]:
                 raise CheckpointError(f"{run.resume_from}: the trainer's shards are at step {done}, its driver state "
                                       "at another")
-            first_step, wall = done + 1, truncate_metrics(run_dir, done)
+            first_step, wall = done + 1, truncate_metrics(run_dir, done, saved.get("row"))
             log.info("resumed %s from %s: step %d", run_dir, run.resume_from.name, done)
         elif run.resumed:
             wall = truncate_metrics(run_dir, 0)

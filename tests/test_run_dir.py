@@ -1,11 +1,13 @@
 """Which run --resume continues, and what it may not change (no Ray)."""
 
+import json
+
 import pytest
 import yaml
 
 from ray_forge.config import ConfigError, load_config, to_dict
 from ray_forge.config.schema import JobConfig
-from ray_forge.run.directory import FINISHED_FILE, latest_unfinished, open_run
+from ray_forge.run.directory import FINISHED_FILE, latest_unfinished, open_run, truncate_metrics
 
 
 def make_run(root, name, finished=False, **overrides):
@@ -45,3 +47,22 @@ def test_a_resume_may_train_longer(tmp_path):
     resumed = open_run(str(run / "config.yaml"), ["run.steps=30"], str(run))
     assert resumed.config.run.steps == 30 and resumed.resumed and resumed.run_dir == run.resolve()
     assert resumed.resume_from is None  # no checkpoint yet: it starts again from step 0
+
+
+def _steps(path):
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_resuming_cuts_later_rows_and_writes_the_checkpoint_s_row_the_kill_left_out(tmp_path):
+    """A kill may land after a checkpoint was committed but before its step's row was logged (the
+    SFT job's CI failure: [1, 3, 4]); the row kept in the checkpoint fills the gap, once."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "wall_time_s": 1.5, "loss": 2.0}\n{"step": 3, "wall_ti')  # 2 never logged
+    assert truncate_metrics(tmp_path, 2, {"loss": 1.25}) == 1.5
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "wall_time_s": 1.5, "loss": 2.0}, {"step": 2, "wall_time_s": 1.5, "loss": 1.25}]
+    assert truncate_metrics(tmp_path, 2, {"loss": 9.0}) == 1.5 and _steps(path) == [1, 2]  # logged: kept as it was
+    assert json.loads(path.read_text().splitlines()[1])["loss"] == 1.25
+    path.write_text('{"step": 1, "wall_time_s": 1.5}\n{"step": 2, "wall_time_s": 2.5}\n{"step": 3, "wall_time_s": 3}\n')
+    assert truncate_metrics(tmp_path, 2, {"loss": 9.0}) == 2.5 and _steps(path) == [1, 2]
+    assert truncate_metrics(tmp_path, 0) == 0.0 and path.read_text() == ""

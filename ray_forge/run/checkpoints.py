@@ -26,7 +26,6 @@ from ray_forge.actors.launch import Actors
 from ray_forge.core import checkpoint
 from ray_forge.core.checkpoint import CheckpointError
 from ray_forge.models.export import SAVED_STEP, save_hf_folder
-from ray_forge.observe.metrics import metrics_row, read_metrics
 from ray_forge.remote import call, last_line
 from ray_forge.run.directory import EVALUATIONS_DIR, Run, truncate_metrics
 from ray_forge.run.fleet import Fleet, FleetError
@@ -80,9 +79,8 @@ class Checkpoints:
         random.setstate(saved["rng"]["python"])
         torch.set_rng_state(saved["rng"]["torch"])
         progress = Progress(**{f.name: saved[f.name] for f in dataclasses.fields(Progress)})
-        wall_s = truncate_metrics(self.run_dir, progress.step)
+        wall_s = truncate_metrics(self.run_dir, progress.step, progress.row)
         self._drop_later_best(progress)
-        self._write_missing_row(progress, wall_s)
         return Restored(progress, saved["buffer"], wall_s)
 
     def _drop_later_best(self, progress: Progress) -> None:
@@ -91,14 +89,6 @@ class Checkpoints:
             log.warning("%s holds weights of a step after the checkpoint: removed (the next better evaluation "
                         "saves it again)", best)
             shutil.rmtree(best)
-
-    def _write_missing_row(self, progress: Progress, wall_s: float) -> None:
-        """The kill may come between a checkpoint and its metrics row: write the row from the checkpoint."""
-        path = self.run_dir / METRICS
-        rows = read_metrics(path) if path.exists() else []
-        if not rows or rows[-1]["step"] != progress.step:
-            with path.open("a") as f:
-                f.write(json.dumps(metrics_row(progress.step, wall_s, progress.row)) + "\n")
 
     # -- with the actors -----------------------------------------------------------------------
     async def resume(self, actors: Actors, fleet: Fleet, start: Restored) -> int:

@@ -17,6 +17,7 @@ from ray_forge.config import ConfigError, load_config, to_dict
 from ray_forge.config.schema import JobConfig
 from ray_forge.core import checkpoint
 from ray_forge.models.tiny import check_model_dir, make_tiny_qwen3
+from ray_forge.observe.metrics import metrics_row
 
 log = logging.getLogger(__name__)
 
@@ -110,25 +111,29 @@ def create(run: Run) -> None:
     log.info("run directory: %s%s", run.run_dir, " (resumed)" if run.resumed else "")
 
 
-def truncate_metrics(run_dir: Path, last_step: int) -> float:
+def truncate_metrics(run_dir: Path, last_step: int, row: dict | None = None) -> float:
     """Drop rows after ``last_step`` (logged after the checkpoint, and about to be redone), so the
-    resumed run appends without duplicate steps. Returns the kept rows' last wall time."""
+    resumed run appends without duplicate steps. The kill may come between a checkpoint and its
+    metrics row: ``row``, the row of ``last_step`` the checkpoint kept, is written then. Returns the
+    kept rows' last wall time."""
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    if not path.exists() and row is None:
         return 0.0
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
     kept = []
-    for line in rows:
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            row = json.loads(line)
+            parsed = json.loads(line)
         except ValueError:  # a line cut short by the kill
             continue
-        if row["step"] <= last_step:
-            kept.append(row)
+        if parsed["step"] <= last_step:
+            kept.append(parsed)
+    wall_s = kept[-1]["wall_time_s"] if kept else 0.0
+    if row is not None and (not kept or kept[-1]["step"] != last_step):
+        kept.append(metrics_row(last_step, wall_s, row))
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
-    return kept[-1]["wall_time_s"] if kept else 0.0
+    return wall_s
 
 
 def base_model(run: Run, corpus: Callable[[], list[str]], chat: bool) -> str:
