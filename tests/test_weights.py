@@ -256,8 +256,23 @@ def _actor_classes():
             pieces = chunk_pieces(state_dict(seed), rank, world_size)
             return self.store(spec).put_shards(version, pieces, rank=rank, num_ranks=world_size).nbytes
 
+        def nixl_arenas(self, spec: StoreSpec, grace_s: float, release_s: float) -> int:
+            """How many arenas this process sends the store's versions from; sets how long it waits
+            for held ones (the module's constants, shortened so a test need not wait 30 s)."""
+            from ray_forge.weights import nixl
+
+            nixl.REF_GRACE_S, nixl.REF_RELEASE_S = grace_s, release_s
+            return len(nixl._SENDING[spec.name].slots) if spec.name in nixl._SENDING else 0
+
     @ray.remote(num_cpus=0)
     class Receiver(Peer):
+        def hold(self, spec: StoreSpec, version: int) -> None:
+            """Keep the version's manifest, and so its refs, as a receiver that died holding them does."""
+            self.__dict__.setdefault("held", []).append(self.store(spec).manifest(version))
+
+        def drop_held(self) -> None:
+            self.held = []
+
         def get(self, spec: StoreSpec, version: int, dtype: str = "") -> dict[str, torch.Tensor]:
             convert = getattr(torch, dtype) if dtype else None
             into = {k: torch.full_like(v, 7, dtype=convert if convert and v.is_floating_point() else v.dtype)
@@ -465,6 +480,35 @@ def test_nixl_reuses_its_buffers_once_every_ref_to_them_is_gone(ray_cluster, pee
                 assert_bitwise(got, state_dict(version))
         assert store.versions() == [5]
     finally:
+        store.destroy()
+
+
+@pytest.mark.ray
+def test_a_nixl_sender_writes_into_a_spare_arena_while_a_receiver_holds_old_refs(ray_cluster, peers):
+    """keep_versions=1: two arenas, and two spares. A receiver holds the refs of versions 1-4 (as
+    one that died holding them does until Ray notices): versions 3 and 4 go into spares after the
+    grace wait, version 5 fails naming every held version; once the refs are dropped, version 6
+    goes into one of the four arenas again, and every version written reads back bitwise."""
+    _, sender, (holder, reader) = peers
+    store = WeightStore.create(spec_for("nixl", keep_versions=1, timeout_s=3))
+    arenas = [ray_cluster.get(sender.nixl_arenas.remote(store.spec, 1.0, 3.0), timeout=60)]
+    try:
+        for version in (1, 2, 3, 4):
+            ray_cluster.get(sender.put.remote(store.spec, version, seed=version), timeout=60)
+            ray_cluster.get(holder.hold.remote(store.spec, version), timeout=60)
+            assert_bitwise(ray_cluster.get(reader.get.remote(store.spec, version), timeout=60), state_dict(version))
+            arenas.append(ray_cluster.get(sender.nixl_arenas.remote(store.spec, 1.0, 3.0), timeout=60))
+        assert arenas == [0, 1, 2, 3, 4]
+        with pytest.raises(ray_cluster.exceptions.RayTaskError,
+                           match=r"version 5: the buffers of versions \[1, 2, 3, 4\] are all still referenced"):
+            ray_cluster.get(sender.put.remote(store.spec, 5, seed=5), timeout=60)
+        ray_cluster.get(holder.drop_held.remote(), timeout=60)
+        ray_cluster.get(sender.nixl_arenas.remote(store.spec, 1.0, 60.0), timeout=60)
+        ray_cluster.get(sender.put.remote(store.spec, 6, seed=6), timeout=120)
+        assert_bitwise(ray_cluster.get(reader.get.remote(store.spec, 6), timeout=60), state_dict(6))
+        assert ray_cluster.get(sender.nixl_arenas.remote(store.spec, 5.0, 30.0), timeout=60) == 4
+    finally:
+        ray_cluster.get(holder.drop_held.remote(), timeout=60)
         store.destroy()
 
 

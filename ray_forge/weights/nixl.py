@@ -18,7 +18,10 @@ before the engine has loaded anything.
 The sender keeps ``keep_versions + 1`` arenas (the live versions and the one being written: that
 many copies of its shard) and writes into one again only once Ray says every ref to its last
 version is gone (``wait_tensor_freed``): the controller drops a version's refs when it evicts it,
-and an engine drops its own when it has loaded the next version.
+and a receiver drops its own once it has read them. Ray learns of a drop asynchronously, and of
+a receiver that died holding refs only once it notices the death: when the oldest arena is
+still referenced after ``REF_GRACE_S``, the rank writes into a spare one (at most
+``SPARE_ARENAS``) rather than hold up the sync, and takes the held one back once it is freed.
 
 Ray caches NIXL registrations by address: a buffer is deregistered before it is dropped, or a
 later buffer allocated at the same address would inherit a registration of the wrong size.
@@ -163,31 +166,40 @@ def import_rdt():
 
 
 class _Slot:
-    """One arena of send buffers: a view per bucket index, as last put."""
+    """One arena of send buffers: a view per bucket index, as last put, and the version put."""
 
     def __init__(self) -> None:
         self.arena: torch.Tensor | None = None
         self.layout: tuple[tuple[int, int], ...] = ()
         self.views: dict[int, torch.Tensor] = {}
+        self.version = -1
 
 
 class _Arenas:
-    """A sending process's arenas for one store, used in turn. Kept per process, not per client:
-    a second client of the same store in this process (a fresh ``WeightStore``) reuses them, so no
+    """A sending process's arenas for one store. Kept per process, not per client: a second
+    client of the same store in this process (a fresh ``WeightStore``) reuses them, so no
     registered memory is dropped while Ray still caches its registration."""
 
     def __init__(self) -> None:
         self.slots: list[_Slot] = []
-        self.next = 0
 
 
 _SENDING: dict[str, _Arenas] = {}
 
 
 REF_RELEASE_S = 30.0
-"""Least wait for the refs of an arena's last version to be freed: Ray tells the owner that a
-borrower (an engine that read the version) dropped its ref asynchronously, which on a busy machine
-takes seconds, so a short ``weights.timeout_s`` does not bound this wait."""
+"""Least wait for the refs of an arena's last version to be freed once no spare arena is left:
+Ray tells the owner that a borrower (a receiver that read the version) dropped its ref
+asynchronously, which on a busy machine takes seconds, so a short ``weights.timeout_s`` does not
+bound this wait."""
+
+REF_GRACE_S = 5.0
+"""How long a rank waits for the oldest arena's refs before it writes into a spare one."""
+
+SPARE_ARENAS = 2
+"""Arenas a rank may add beyond ``keep_versions + 1`` while older ones are still referenced (a
+receiver that died holding refs: Ray frees them once it notices, which took over 30 s on a
+loaded CI machine). Each is one more copy of the rank's shard."""
 
 
 class NixlTransport(StoredTransport):
@@ -200,7 +212,7 @@ class NixlTransport(StoredTransport):
         if not buckets:
             return None  # this rank holds no rows of any tensor: nothing to read
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        slot = self._free_slot(version, buckets, device)
+        slot = self._free_slot(version, rank, buckets, device)
         views = [slot.views[bucket.index] for bucket in buckets]
         with _LOCK:
             for bucket, view in zip(buckets, views):
@@ -208,24 +220,32 @@ class NixlTransport(StoredTransport):
             ref = ray.put(views, _tensor_transport="nixl")
         return ref
 
-    def _free_slot(self, version: int, buckets: list[Bucket], device: torch.device) -> _Slot:
-        """The next arena, once no ref to what it last held is alive (a fresh one while fewer than
-        ``keep_versions + 1`` exist), laid out for ``buckets``."""
-        arenas = _SENDING.setdefault(self.spec.name, _Arenas())
-        if len(arenas.slots) < self.spec.keep_versions + 1:
-            arenas.slots.append(_Slot())
-        slot = arenas.slots[arenas.next]
-        arenas.next = (arenas.next + 1) % (self.spec.keep_versions + 1)
-        wait_s = max(self.spec.timeout_s, REF_RELEASE_S)
-        deadline = time.monotonic() + wait_s
-        for view in slot.views.values():  # the views that were put: Ray tracks the objects themselves
-            try:
-                self._wait_freed(view, timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
+    def _free_slot(self, version: int, rank: int, buckets: list[Bucket], device: torch.device) -> _Slot:
+        """An arena no ref to what it last held is alive in (the oldest such), laid out for
+        ``buckets``: a fresh one while fewer than ``keep_versions + 1`` exist, a spare one when the
+        oldest is still referenced after ``REF_GRACE_S``; past the spares, an error once
+        ``REF_RELEASE_S`` is up."""
+        slots = _SENDING.setdefault(self.spec.name, _Arenas()).slots
+        start = time.monotonic()
+        slot = self._unreferenced(slots) or self._added(slots, self.spec.keep_versions + 1)
+        if slot is None:
+            oldest = min(slots, key=lambda s: s.version)
+            if self._freed(oldest, start + REF_GRACE_S):
+                slot = oldest
+            elif (slot := self._unreferenced(slots) or self._added(slots, self.spec.keep_versions + 1 + SPARE_ARENAS)):
+                log.warning("weights version %d (rank %d) goes into a spare buffer (%d of %d): the buffers of version "
+                            "%d are still referenced after %.0fs (a receiver died holding them, or Ray is slow to "
+                            "tell)", version, rank, len(slots) - self.spec.keep_versions - 1, SPARE_ARENAS,
+                            oldest.version, REF_GRACE_S)
+            elif self._freed(oldest, start + max(self.spec.timeout_s, REF_RELEASE_S)):
+                slot = oldest
+            else:
+                held = sorted(s.version for s in slots)
                 raise WeightSyncError(
-                    f"weights version {version}: the buffers of an older version are still referenced after "
-                    f"{wait_s:.0f}s (a receiver or the controller holds its refs), so they cannot "
-                    "be written again") from None
+                    f"weights version {version}: the buffers of versions {held} are all still referenced after "
+                    f"{time.monotonic() - start:.0f}s (a receiver or the controller holds their refs), so none "
+                    "can be written again")
+        slot.version = version
         layout = tuple((b.index, b.nbytes) for b in buckets)
         if layout != slot.layout or slot.arena is None or slot.arena.device != device:
             if slot.arena is not None:
@@ -233,6 +253,26 @@ class NixlTransport(StoredTransport):
             slot.arena, slot.views = arena(layout, self._registered, device)
             slot.layout = layout
         return slot
+
+    def _unreferenced(self, slots: list[_Slot]) -> _Slot | None:
+        """The arena holding the oldest version no ref is alive to, if any (no wait)."""
+        return next((s for s in sorted(slots, key=lambda s: s.version) if self._freed(s, 0.0)), None)
+
+    @staticmethod
+    def _added(slots: list[_Slot], most: int) -> _Slot | None:
+        if len(slots) >= most:
+            return None
+        slots.append(_Slot())
+        return slots[-1]
+
+    def _freed(self, slot: _Slot, deadline: float) -> bool:
+        """Whether every view put from ``slot`` is freed by ``deadline`` (Ray tracks the objects themselves)."""
+        try:
+            for view in slot.views.values():
+                self._wait_freed(view, timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+        return True
 
     def _registered(self, nbytes: int, device: torch.device) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
