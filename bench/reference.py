@@ -35,7 +35,7 @@ from ray_forge.actors.trainer import lr_factor
 from ray_forge.config import load_config
 from ray_forge.config.schema import JobConfig
 from ray_forge.core.algorithm import grpo_loss, loss_normalizer, token_logprobs_and_entropy
-from ray_forge.core.batch import collate, groups_to_samples
+from ray_forge.core.batch import collate, distinct_forward, groups_to_samples
 from ray_forge.core.episode import Episode, Turn
 from ray_forge.models.tiny import make_tiny_qwen3
 
@@ -106,7 +106,7 @@ def train_step(player: Player, optimizer, config: JobConfig, groups: list[list[E
     if samples:
         batch = collate(samples)
         normalizer = loss_normalizer(batch.mask_BT, batch.weights_B, config.grpo.token_aggregation)
-        logits = player.model(batch.inputs_BT).logits
+        logits = distinct_forward(lambda inputs: player.model(inputs).logits, batch.inputs_BT)
         logprobs, entropy = token_logprobs_and_entropy(logits, batch.targets_BT, player.allowed, player.temperature)
         logprobs = torch.where(batch.mask_BT > 0, logprobs, torch.zeros_like(logprobs))
         terms = grpo_loss(logprobs, batch.behaviour_logprobs_BT, batch.advantages_B, batch.mask_BT,

@@ -183,3 +183,40 @@ def test_an_episode_pickled_before_its_newer_fields_loads_with_their_defaults():
     assert old.segments == () and old.stats == {} and old.tool_latencies_s == () and old.messages == ()
     assert [s.token_ids for s in episodes_to_samples([old], [0.5])] == [(1, 2, 7)]
     assert pickle.loads(pickle.dumps(old)) == old
+
+
+def test_a_forward_over_distinct_rows_gives_every_row_its_logits_and_gradient():
+    """Rows that share an input run once; each row gets the logits a forward of its own gives,
+    and the parameters the gradient of the whole batch."""
+    from ray_forge.core.batch import distinct_forward
+
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 5)
+    seen = []
+
+    def forward(inputs_BT):
+        seen.append(len(inputs_BT))
+        return head(torch.tanh(embed(inputs_BT).cumsum(1)))
+
+    inputs = torch.tensor([[1, 2, 3], [4, 5, 0], [1, 2, 3], [1, 2, 3], [4, 5, 6]])
+    targets = torch.tensor([[2, 3, 1], [0, 2, 0], [2, 3, 4], [2, 3, 1], [1, 4, 2]])
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5])  # rows alike in input, unlike in target and weight
+
+    def loss_and_grads(logits):
+        loss = (torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0].sum(1) * weights).sum()
+        loss.backward()
+        grads = [p.grad.clone() for p in (*embed.parameters(), *head.parameters())]
+        for p in (*embed.parameters(), *head.parameters()):
+            p.grad = None
+        return loss.item(), grads
+
+    plain = forward(inputs)
+    shared = distinct_forward(forward, inputs)
+    assert seen == [5, 3]  # three distinct rows, run once each
+    torch.testing.assert_close(shared, plain)
+    (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(plain), loss_and_grads(shared)
+    assert loss_b == pytest.approx(loss_a, rel=1e-6) and any(g.abs().sum() > 0 for g in grads_a)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a)
+    distinct = torch.tensor([[1, 2], [3, 4]])
+    assert distinct_forward(forward, distinct).shape == (2, 2, 5) and seen[-1] == 2  # nothing to share: as is

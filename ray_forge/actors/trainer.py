@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ray_forge.config.schema import GRPOConfig, TrainerConfig
 from ray_forge.core.algorithm import TOKEN_STATS as STATS
 from ray_forge.core.algorithm import grpo_loss, loss_normalizer, sft_loss, token_logprobs_and_entropy
-from ray_forge.core.batch import PackedBatch, TensorBatch, collate, collate_packed
+from ray_forge.core.batch import PackedBatch, TensorBatch, collate, collate_packed, distinct_forward
 from ray_forge.core.checkpoint import TRAINER_DIR, rank_file
 from ray_forge.core.episode import Sample, Scored
 from ray_forge.models.devices import require_dtype
@@ -128,7 +128,7 @@ class TitanTrainer:
                     skipped_nonfinite=float(skipped))
 
     def _loss(self, micro: TensorBatch, normalizer: torch.Tensor):
-        logits_BTV = self.model(micro.inputs_BT)
+        logits_BTV = distinct_forward(self.model, micro.inputs_BT)
         logprobs_BT, entropy_BT = token_logprobs_and_entropy(logits_BTV, micro.targets_BT, self.allowed,
                                                             self.temperature)
         # Padding rows and prompt positions are masked; keep their -inf/NaN out of the graph.
