@@ -232,7 +232,7 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> d
     # A resumed run gets a namespace of its own: the killed attempt's named actors may not be gone yet.
     namespace = run_dir.name + (f"-resumed-{time.strftime('%H%M%S')}" if run.resumed else "")
     started_ray = pools.connect(config.cluster, namespace=namespace)
-    actors = metrics = None
+    actors = metrics = fleet = None
     try:
         metrics = MetricsLog(run_dir, config.run.steps, progress=config.run.progress, done_steps=progress.step,
                              wall_offset_s=start.wall_s,
@@ -253,6 +253,8 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> d
     finally:
         if metrics is not None:
             metrics.close()
+        if fleet is not None:
+            await fleet.close()
         if actors is not None:
             actors.shutdown()
         if started_ray:

@@ -46,3 +46,32 @@ def test_an_engine_that_a_version_cannot_reach_yet_is_not_serving_it(monkeypatch
     monkeypatch.setattr(fleet, "_update", update)
     assert asyncio.run(fleet.sync(spec, 1)) == {}
     assert (fleet.serving, fleet.failed_syncs) == (0, 1)
+
+
+def test_a_closed_fleet_cancels_its_waits_for_restarts_and_starts_no_more(monkeypatch):
+    """At a run's end (a dead trainer) the fleet is closed before its actors are shut down: a wait
+    for an engine's restart is cancelled, and a call that fails after (its actor shut down) starts
+    none, so no task outlives the event loop ("Task was destroyed but it is pending" was the last
+    line of a job that had to end on the error)."""
+    from ray_forge import identity
+
+    fleet = Fleet([object(), object()], [], policy_timeout_s=30, env_timeout_s=30)
+    asked = []
+
+    async def never_back(name):
+        asked.append(name)
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(fleet, "_whoami", never_back)
+
+    async def scenario():
+        async with asyncio.timeout(10):
+            fleet.recover(identity.policy(0))
+            await asyncio.sleep(0)
+            assert fleet.down(identity.policy(0)) and asked == [identity.policy(0)]
+            await fleet.close()
+            fleet.recover(identity.policy(1))  # as a call to an actor being shut down would
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(scenario()) == []
+    assert not fleet.down(identity.policy(0)) and not fleet.down(identity.policy(1)) and asked == [identity.policy(0)]

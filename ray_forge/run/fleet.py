@@ -65,6 +65,7 @@ class Fleet:
         """The version every live engine holds: ``version`` once its sync has reached them all."""
         self.spec: StoreSpec | None = None
         self._recovering: dict[ActorId, asyncio.Task] = {}
+        self.closed = False
         self.lost: set[ActorId] = set()
         self.restarts = 0
         self.replayed_games = 0
@@ -121,11 +122,21 @@ class Fleet:
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
 
     # -- restarts --------------------------------------------------------------------------
-    def recover(self, name: ActorId) -> asyncio.Task:
-        """Wait (in the background) for ``name`` to be restarted; one wait per death."""
-        if name not in self._recovering:
+    def recover(self, name: ActorId) -> None:
+        """Wait (in the background) for ``name`` to be restarted; one wait per death. Not once the
+        fleet is closed: its actors are being shut down, and a wait started then would outlive
+        the event loop (Python prints "Task was destroyed but it is pending" after the job's
+        last line)."""
+        if name not in self._recovering and not self.closed:
             self._recovering[name] = asyncio.create_task(self._recover(name))
-        return self._recovering[name]
+
+    async def close(self) -> None:
+        """At the run's end, before its actors are shut down: waits for restarts are cancelled."""
+        self.closed = True
+        waits = list(self._recovering.values())
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
     async def _recover(self, name: ActorId) -> None:
         role = name.role
