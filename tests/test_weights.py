@@ -262,7 +262,7 @@ def _actor_classes():
             from ray_forge.weights import nixl
 
             nixl.REF_GRACE_S, nixl.REF_RELEASE_S = grace_s, release_s
-            return len(nixl._SENDING[spec.name].slots) if spec.name in nixl._SENDING else 0
+            return len(nixl._SENDING.get(spec.name, []))
 
     @ray.remote(num_cpus=0)
     class Receiver(Peer):

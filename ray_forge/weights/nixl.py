@@ -175,16 +175,10 @@ class _Slot:
         self.version = -1
 
 
-class _Arenas:
-    """A sending process's arenas for one store. Kept per process, not per client: a second
-    client of the same store in this process (a fresh ``WeightStore``) reuses them, so no
-    registered memory is dropped while Ray still caches its registration."""
-
-    def __init__(self) -> None:
-        self.slots: list[_Slot] = []
-
-
-_SENDING: dict[str, _Arenas] = {}
+_SENDING: dict[str, list[_Slot]] = {}
+"""A sending process's arenas, by store. Kept per process, not per client: a second client of the
+same store in this process (a fresh ``WeightStore``) reuses them, so no registered memory is
+dropped while Ray still caches its registration."""
 
 
 REF_RELEASE_S = 30.0
@@ -225,7 +219,7 @@ class NixlTransport(StoredTransport):
         ``buckets``: a fresh one while fewer than ``keep_versions + 1`` exist, a spare one when the
         oldest is still referenced after ``REF_GRACE_S``; past the spares, an error once
         ``REF_RELEASE_S`` is up."""
-        slots = _SENDING.setdefault(self.spec.name, _Arenas()).slots
+        slots = _SENDING.setdefault(self.spec.name, [])
         start = time.monotonic()
         slot = self._unreferenced(slots) or self._added(slots, self.spec.keep_versions + 1)
         if slot is None:
@@ -325,7 +319,7 @@ class NixlTransport(StoredTransport):
         return f"nixl (UCX: {', '.join(ucx_transports()) or 'not reported yet'})"
 
     def destroy(self) -> None:
-        for slot in _SENDING.pop(self.spec.name, _Arenas()).slots:
+        for slot in _SENDING.pop(self.spec.name, []):
             if slot.arena is not None:
                 self._release(slot.arena)
         drop_staging(self.spec.name)
