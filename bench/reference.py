@@ -102,7 +102,7 @@ def play(player: Player, seeds: list[int], group_size: int, penalty: float, vers
 
 
 def train_step(player: Player, optimizer, config: JobConfig, groups: list[list[Episode]]) -> dict:
-    samples, stats = groups_to_samples(groups, merge=config.trainer.merge_identical)
+    samples, stats = groups_to_samples(groups, merge=config.trainer.merge_identical, scale=config.grpo.scale_rewards)
     if samples:
         batch = collate(samples)
         normalizer = loss_normalizer(batch.mask_BT, batch.weights_B, config.grpo.token_aggregation)

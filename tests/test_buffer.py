@@ -1,5 +1,7 @@
 """Replay buffer eviction, hand-out and chunk rules (Ray only where the samples go to the object store)."""
 
+import pytest
+
 from ray_forge.actors.buffer import COUNTERS, ReplayBuffer
 from ray_forge.config.schema import BufferConfig
 from ray_forge.core.episode import Episode, Turn
@@ -101,4 +103,8 @@ def test_sample_batch_makes_samples_beside_the_games(ray_cluster):
     samples = ray.get(ref, timeout=60)
     assert [s.token_versions for s in samples] == [(3,), (4,)]
     assert stats["policy_lag"] == 2.5 and stats["policy_lag_max"] == 3 and stats["num_rows"] == 2
+    assert [s.advantage for s in samples] == pytest.approx([-1.0, 1.0], abs=1e-5)  # scaled by the group's std
+    ray.get(buffer.add_chunk.remote(1, 0, 1, groups), timeout=60)
+    _, ref = ray.get(buffer.wait_batch.remote(2, 6, True, 10.0, "none"), timeout=60)  # what the driver passes on
+    assert [s.advantage for s in ray.get(ref, timeout=60)] == pytest.approx([-0.5, 0.5])
     ray.kill(buffer)

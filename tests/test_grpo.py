@@ -24,6 +24,21 @@ def test_group_advantages_three_way():
     assert keep.all()
 
 
+def test_group_advantages_scaled_by_the_batch_or_not_at_all_keep_each_groups_gap():
+    # Group 1 differs by 2 (a win against a loss), group 2 by 0.2; group 3 is flat.
+    rewards = torch.tensor([1.0, -1.0, 0.1, -0.1, 0.5, 0.5])
+    by_group, _ = group_advantages(rewards, group_size=2)
+    assert torch.allclose(by_group[:4], torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-4)  # the gap is lost
+    none, keep = group_advantages(rewards, group_size=2, scale="none")
+    assert torch.allclose(none, torch.tensor([1.0, -1.0, 0.1, -0.1, 0.0, 0.0]), atol=1e-6)
+    batch_std = rewards.std(correction=0)
+    batch, keep_b = group_advantages(rewards, group_size=2, scale="batch")
+    assert torch.allclose(batch, none / batch_std, atol=1e-5)
+    assert keep.tolist() == keep_b.tolist() == [True, True, True, True, False, False]
+    with pytest.raises(ValueError, match="scale must be one of"):
+        group_advantages(rewards, group_size=2, scale="max")
+
+
 def test_group_advantages_rejects_partial_group():
     with pytest.raises(ValueError, match="groups of 4"):
         group_advantages(torch.zeros(6), group_size=4)

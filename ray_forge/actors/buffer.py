@@ -16,7 +16,7 @@ import ray
 import torch
 
 from ray_forge.config.schema import BufferConfig
-from ray_forge.core.algorithm import group_advantages
+from ray_forge.core.algorithm import RewardScale, group_advantages
 from ray_forge.core.batch import groups_to_samples
 from ray_forge.core.episode import Episode
 from ray_forge.remote import Pickled
@@ -94,22 +94,23 @@ class ReplayBuffer:
             self.add([g for c in sorted(done) for g in done[c]], self.next_batch + 1)
         return self.num_games()
 
-    def sample_batch(self, num_games: int, trainer_version: int, merge: bool) -> tuple[dict, ray.ObjectRef] | None:
+    def sample_batch(self, num_games: int, trainer_version: int, merge: bool,
+                     scale: RewardScale = "group") -> tuple[dict, ray.ObjectRef] | None:
         """``sample``'s groups made into training samples, here beside the games: (the batch's
         statistics, a reference to the samples in the object store), or None. The trainer ranks
         (and the reference model) fetch the samples themselves; the caller holds only the reference."""
         groups = self.sample(num_games, trainer_version)
         if groups is None:
             return None
-        samples, stats = groups_to_samples(groups, merge, trainer_version)
+        samples, stats = groups_to_samples(groups, merge, trainer_version, scale)
         return stats, ray.put(samples)
 
-    async def wait_batch(self, num_games: int, trainer_version: int, merge: bool,
-                         timeout_s: float) -> tuple[dict, ray.ObjectRef] | None:
+    async def wait_batch(self, num_games: int, trainer_version: int, merge: bool, timeout_s: float,
+                         scale: RewardScale = "group") -> tuple[dict, ray.ObjectRef] | None:
         """``sample_batch``, waiting up to ``timeout_s`` for enough games to come in; None if they did not."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while (batch := self.sample_batch(num_games, trainer_version, merge)) is None:
+        while (batch := self.sample_batch(num_games, trainer_version, merge, scale)) is None:
             self._added.clear()
             try:
                 await asyncio.wait_for(self._added.wait(), timeout=max(0.0, deadline - loop.time()))

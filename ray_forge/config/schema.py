@@ -341,6 +341,10 @@ class GRPOConfig:
     against itself): the cap is what bounds a token's weight."""
     token_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How token losses make the batch loss (see ``ray_forge.core.algorithm.loss_normalizer``)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """What divides a game's reward minus its group's mean: the group's std (GRPO as published,
+    verl's ``norm_adv_by_std_in_grpo``), the batch's std, or nothing (Dr. GRPO); TRL's
+    ``scale_rewards``. See ``ray_forge.core.algorithm.group_advantages`` for when "group" misleads."""
 
     RENAMED: ClassVar[dict[str, str]] = {
         "group_size": "grpo.samples_per_prompt",

@@ -8,18 +8,30 @@ the policy-gradient term carries it through the advantage, KL and entropy throug
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+RewardScale = Literal["group", "batch", "none"]
+REWARD_SCALES = get_args(RewardScale)
 
 
-def group_advantages(rewards_B: torch.Tensor, group_size: int, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalise rewards within consecutive groups of ``group_size``.
+def group_advantages(rewards_B: torch.Tensor, group_size: int, scale: RewardScale = "group",
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each reward minus its group's mean (consecutive groups of ``group_size``), divided as
+    ``scale`` says: by the group's std ("group": GRPO as published, verl's default), by the whole
+    batch's std ("batch") or by nothing ("none", Dr. GRPO); TRL's ``scale_rewards`` has the same three.
 
     Returns (advantages_B, keep_B). A group whose rewards are all equal carries no signal and is
     dropped (keep=False, advantage 0). Uses the population std so a 2-game group gives +-1.
+
+    Why "group" is not always right: it gives every group a push of the same size whatever the gap
+    between its rewards, so the update follows how *often* one answer beats another, not by *how
+    much*. Where the games of a group share their randomness (BlackJack's same deal), the two
+    differ: on hard 13 against a dealer's 2 or 3, hitting beats sticking more often than the
+    reverse, yet sticking has the higher expected return. "batch" keeps one scale for the whole
+    step, so the expected update is the policy gradient's.
     """
     if rewards_B.numel() % group_size:
         raise ValueError(f"{rewards_B.numel()} rewards do not split into groups of {group_size}")
@@ -27,7 +39,15 @@ def group_advantages(rewards_B: torch.Tensor, group_size: int, eps: float = 1e-6
     mean_N1 = rewards_NG.mean(dim=1, keepdim=True)
     std_N1 = rewards_NG.std(dim=1, keepdim=True, correction=0)
     keep_N1 = std_N1 > eps
-    advantages_NG = torch.where(keep_N1, (rewards_NG - mean_N1) / (std_N1 + eps), torch.zeros_like(rewards_NG))
+    if scale == "group":
+        divisor = std_N1 + eps
+    elif scale == "batch":
+        divisor = rewards_NG.std(correction=0) + eps
+    elif scale == "none":
+        divisor = torch.ones_like(std_N1)
+    else:
+        raise ValueError(f"scale must be one of {REWARD_SCALES}, got {scale!r}")
+    advantages_NG = torch.where(keep_N1, (rewards_NG - mean_N1) / divisor, torch.zeros_like(rewards_NG))
     return advantages_NG.view(-1), keep_N1.expand_as(rewards_NG).reshape(-1)
 
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ray_forge.core.algorithm import group_advantages
+from ray_forge.core.algorithm import RewardScale, group_advantages
 from ray_forge.core.episode import Episode, Sample, episodes_to_samples, merge_identical
 from ray_forge.core.play import episode_metrics
 
@@ -81,15 +81,15 @@ def response_logprobs(batch: TensorBatch, logprobs_BT: torch.Tensor) -> list[tup
     return rows
 
 
-def groups_to_samples(groups: list[list[Episode]], merge: bool,
-                      trainer_version: int = 0) -> tuple[list[Sample], dict[str, float]]:
+def groups_to_samples(groups: list[list[Episode]], merge: bool, trainer_version: int = 0,
+                      scale: RewardScale = "group") -> tuple[list[Sample], dict[str, float]]:
     """GRPO advantages within each group, zero-variance groups dropped, turns flattened to samples.
 
     ``policy_lag`` and ``policy_lag_max``: versions between the weights that sampled each trained
     token and ``trainer_version`` (the weights the trainer takes the step from), token mean and max."""
     episodes = [e for group in groups for e in group]
     rewards = torch.tensor([e.reward for e in episodes])
-    advantages, keep = group_advantages(rewards, group_size=len(groups[0]))
+    advantages, keep = group_advantages(rewards, group_size=len(groups[0]), scale=scale)
     kept = [(e, a) for e, a, k in zip(episodes, advantages.tolist(), keep.tolist()) if k]
     samples = episodes_to_samples([e for e, _ in kept], [a for _, a in kept])
     lags = [trainer_version - v for s in samples for v in s.token_versions]
