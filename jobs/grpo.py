@@ -244,6 +244,9 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> d
         await fleet.start()
         first_batch = await checkpoints.resume(actors, fleet, start) if start.buffer is not None else 0
         await train(config, env, actors, fleet, checkpoints, progress, first_batch, metrics)
+        if config.trainer.ema_decay:  # the run ends on the average of its weights: the engines load it
+            await actors.trainer.use_average()
+            await fleet.sync_weights(actors.trainer, actors.store.spec, config.run.steps + 1)
         final_policy = await checkpoints.save_policy(actors, "final_policy", config.run.steps)
         final, final_row = await fleet.evaluate(RolloutSettings.of(config), final=True)
         await fleet.settle()

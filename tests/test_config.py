@@ -32,6 +32,9 @@ def test_an_sft_config_is_as_strict_as_the_grpo_one():
     with pytest.raises(ConfigError, match="data.batch_size = 0 is out of range"):
         load_config(SFTConfig, CONFIGS / "sft_tools_tiny.yaml", ["data.batch_size=0"])
     assert load_config(SFTConfig, CONFIGS / "sft_tools_tiny.yaml", ["trainer.lr=1e-3"]).trainer.lr == 1e-3
+    with pytest.raises(ConfigError, match="trainer.ema_decay is a GRPO setting"):
+        load_config(SFTConfig, CONFIGS / "sft_tools_tiny.yaml", ["trainer.ema_decay=0.9"])
+    assert load_config(JobConfig, CONFIGS / "blackjack_tiny.yaml", ["trainer.ema_decay=0.9"]).trainer.ema_decay == 0.9
 
 
 def test_dotted_overrides_are_typed():

@@ -21,7 +21,8 @@ SYNC = ["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), "run.steps=4
         "run.eval_every=0", "env.options.blackjack.mc_games=200", "grpo.prompts_per_step=8", "buffer.max_policy_lag=0",
         "run.progress=false", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
         "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64", "run.seed=3",
-        "grpo.kl_coef=0.05"]  # with a reference model: it must stay the base model across a resume
+        "grpo.kl_coef=0.05",  # with a reference model: it must stay the base model across a resume
+        "trainer.ema_decay=0.5"]  # and a moving average, which the run ends on: it must be in the checkpoints
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -69,7 +70,8 @@ def test_killed_driver_resumes_to_the_same_weights_bit_for_bit(uninterrupted, tm
     assert Path(summary["run_dir"]) == run_dir  # auto found the unfinished run
     assert (f"step 2, policy version 2, {buffered} games buffered, next batch {saved['buffer']['next_batch']}"
             in caplog.text)
-    assert summary["policy_versions"] == [4, 4]
+    assert summary["policy_versions"] == [5, 5]  # 4 steps, then the average
+    assert summary["final_weights"] == "moving average (trainer.ema_decay 0.5)"
     resumed, plain = rows(run_dir), rows(uninterrupted)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # appended, no step twice
     for key in ("train_reward", "loss", "kl", "grad_norm", "generated", "trained", "buffer_size"):
@@ -95,6 +97,6 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupt
     assert "checkpoint step-00000004 skipped: trainer/__0_0.distcp is" in caplog.text
     assert "from step-00000002: step 2" in caplog.text
     assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]
-    assert summary["policy_versions"] == [4, 4]
+    assert summary["policy_versions"] == [5, 5]  # 4 steps, then the average
     # Steps 3 and 4 done again from step 2 give the same weights as the first time.
     assert_bitwise_equal(final_weights(run_dir), final_weights(uninterrupted))

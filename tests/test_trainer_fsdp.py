@@ -77,9 +77,9 @@ def test_two_rank_fsdp_matches_one_rank(ray_cluster, tiny_model_dir, tmp_path):
     assert diffs.max() <= 3 * 1e-3  # never more than the 3 Adam steps could move a weight
 
 
-def _ranks(model_dir, world_size, allowed, tag):
+def _ranks(model_dir, world_size, allowed, tag, **trainer):
     return [TrainerActor.options(name=f"trainer-{tag}-{r}", num_cpus=0.5).remote(
-        tiny_configs.trainer(lr=1e-3, micro_batch_size=8, num_ranks=world_size), model_dir=model_dir,
+        tiny_configs.trainer(lr=1e-3, micro_batch_size=8, num_ranks=world_size, **trainer), model_dir=model_dir,
             grpo=tiny_configs.grpo(entropy_coef=0.01), total_steps=4, rank=r,
                 allowed_token_ids=allowed) for r in range(world_size)]
 
@@ -139,5 +139,47 @@ def test_two_rank_checkpoint_resumes_bit_for_bit_and_a_nan_step_is_skipped(ray_c
         assert all(torch.equal(after_nan[k], got[k]) for k in got)  # the update was skipped
         healthy = asyncio.run(group.train_step(samples))
         assert healthy["skipped_nonfinite"] == 0.0 and torch.isfinite(torch.tensor(healthy["loss"]))
+    finally:
+        _stop(group, ranks)
+
+
+def test_the_moving_average_of_two_ranks_is_kept_checkpointed_and_becomes_the_weights(ray_cluster, tiny_model_dir,
+                                                                                      tmp_path):
+    """trainer.ema_decay=0.5 over two steps: the weights become 0.25 W0 + 0.25 W1 + 0.5 W2, and a
+    pair that resumes from the checkpoint after step 1 ends on the same average, bit for bit."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    allowed = sorted(tokenizer.convert_tokens_to_ids(["HIT", "STICK"]))
+    samples = _samples(tokenizer, allowed)[:39]
+    folder = tmp_path / "ckpt"
+    (folder / "trainer").mkdir(parents=True)
+    ranks = _ranks(tiny_model_dir, 2, allowed, "ema-a", ema_decay=0.5)
+    group = TrainerGroup(ranks, timeout_s=300)
+    try:
+        group.setup()
+        w0 = _weights(group, tmp_path / "w0")
+        asyncio.run(group.train_step(samples))
+        asyncio.run(group.save_checkpoint(str(folder)))
+        w1 = _weights(group, tmp_path / "w1")
+        asyncio.run(group.train_step(samples))
+        w2 = _weights(group, tmp_path / "w2")
+        asyncio.run(group.use_average())
+        average = _weights(group, tmp_path / "average")
+    finally:
+        _stop(group, ranks)
+    for k in w0:
+        assert torch.allclose(average[k], 0.25 * w0[k] + 0.25 * w1[k] + 0.5 * w2[k], atol=1e-7), k
+    assert max((average[k] - w2[k]).abs().max() for k in w2) > 1e-4  # not just the last weights
+
+    ranks = _ranks(tiny_model_dir, 2, allowed, "ema-b", ema_decay=0.5)
+    group = TrainerGroup(ranks, timeout_s=300)
+    try:
+        group.setup()
+        assert asyncio.run(group.load_checkpoint(str(folder))) == 1
+        asyncio.run(group.train_step(samples))
+        asyncio.run(group.use_average())
+        resumed = _weights(group, tmp_path / "resumed")
+        assert all(torch.equal(resumed[k], average[k]) for k in average)
     finally:
         _stop(group, ranks)

@@ -58,6 +58,8 @@ class TitanTrainer:
         self.version = 0
         torch.set_num_threads(config.resources.threads)
         self.model = self.adapter = self.optimizer = self.scheduler = None
+        self.average: dict[str, torch.Tensor] | None = None
+        """The moving average of the weights (``trainer.ema_decay``), sharded like them."""
         self.store: WeightStore | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -76,6 +78,8 @@ class TitanTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_factor(s, self.total_steps, self.cfg.warmup_steps, self.cfg.min_lr_ratio))
+        if self.cfg.ema_decay:
+            self.average = {name: p.detach().clone() for name, p in self.model.named_parameters()}
         return sum(p.numel() for p in self.model.parameters()) * self.world_size
 
     def train_step(self, samples: list[Sample], ref_logprobs: list[tuple[float, ...]] | None = None) -> dict[str, float]:
@@ -90,6 +94,7 @@ class TitanTrainer:
         if not samples:
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
+            self._average_in()
             self.version += 1
             return dict(loss=0.0, **dict.fromkeys(STATS, 0.0), num_tokens=0.0,
                         grad_norm=0.0, lr=lr, version=self.version, skipped_nonfinite=0.0)
@@ -123,9 +128,26 @@ class TitanTrainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._average_in()
         self.version += 1
         return dict(sums, num_tokens=num_tokens, grad_norm=grad_norm, lr=lr, version=self.version,
                     skipped_nonfinite=float(skipped))
+
+    @torch.no_grad()
+    def _average_in(self) -> None:
+        """One step of the moving average (every step, an empty one too: the average is over steps)."""
+        if self.average is not None:
+            for name, param in self.model.named_parameters():
+                self.average[name].lerp_(param.detach(), 1.0 - self.cfg.ema_decay)
+
+    @torch.no_grad()
+    def use_average(self) -> None:
+        """The weights become their moving average (the run's end: what the engines load next and
+        what an export writes)."""
+        if self.average is None:
+            raise RuntimeError("use_average needs trainer.ema_decay > 0: no average was kept")
+        for name, param in self.model.named_parameters():
+            param.copy_(self.average[name])
 
     def _loss(self, micro: TensorBatch, normalizer: torch.Tensor):
         logits_BTV = distinct_forward(self.model, micro.inputs_BT)
@@ -206,7 +228,8 @@ class TitanTrainer:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         start = time.monotonic()
-        state = {"model": self.model.state_dict(), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        state = {"model": self.model.state_dict(), "optim": get_optimizer_state_dict(self.model, self.optimizer),
+                 **({"average": self.average} if self.average is not None else {})}
         dcp.save(state, checkpoint_id=str(Path(folder) / TRAINER_DIR))
         torch.save(dict(scheduler=self.scheduler.state_dict(), version=self.version, rng=torch.get_rng_state()),
                    Path(folder) / rank_file(self.rank))
@@ -218,7 +241,8 @@ class TitanTrainer:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
         # Asking for the optimizer's state dict first creates its (empty) moments, which the load then fills.
-        state = {"model": self.model.state_dict(), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        state = {"model": self.model.state_dict(), "optim": get_optimizer_state_dict(self.model, self.optimizer),
+                 **({"average": self.average} if self.average is not None else {})}  # loaded in place
         dcp.load(state, checkpoint_id=str(Path(folder) / TRAINER_DIR))
         # TorchTitan's fused QKV shows wq/wk/wv in the state dict as copies, not views of the
         # parameter: loading in place misses them, load_state_dict fuses them back.

@@ -53,6 +53,10 @@ class TrainerGroup:
         paths = await self._all("export_hf", lambda rank: (out_dir if rank == 0 else None,))
         return paths[0]
 
+    async def use_average(self) -> None:
+        """Every rank's weights become their moving average (``trainer.ema_decay``)."""
+        await self._all("use_average", lambda rank: ())
+
     async def publish_weights(self, spec: StoreSpec, version: int) -> float:
         """Every rank puts its own shards (none gathers the model); the version is published once
         all have. Returns the slowest rank's seconds. The driver runs this together with the

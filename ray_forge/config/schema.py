@@ -217,6 +217,12 @@ class TrainerConfig:
     micro_batch_size: int = at_least(1, 8)
     """Sequences per forward/backward; gradients accumulate over micro-batches (the tiny model
     takes a whole batch in one)."""
+    ema_decay: float = within(0.0, 0.999, 0.0)
+    """Keep a moving average of the weights (after each step: average = decay x average +
+    (1 - decay) x weights) and end the run on it: the trainer's weights become the average, the
+    engines load it, and the final evaluation and ``final_policy`` are of it. It steadies a final
+    policy whose near-tied choices flip from step to step. 0: off (the last step's weights). The
+    average is in every checkpoint, so a resumed run ends on the same one."""
     merge_identical: bool = True
     """Merge identical (sequence, policy version, advantage sign) samples into one weighted
     sample. The loss and gradient are unchanged; short-vocabulary envs repeat sequences a lot."""
@@ -549,3 +555,5 @@ class SFTConfig:
 
         for key, value, rule in out_of_range(self):
             raise ConfigError(f"{key} = {value!r} is out of range: it must be {rule}")
+        if self.trainer.ema_decay:  # refused, not ignored: the SFT job ends on its last step
+            raise ConfigError("trainer.ema_decay is a GRPO setting; the SFT job does not keep a moving average")

@@ -23,6 +23,8 @@ def summarize(run: Run, env: EnvSetup, actors: Actors, fleet: Fleet, progress: P
     summary = dict(final, **final_row, run_dir=str(run.run_dir), steps=run.config.run.steps, policy_versions=versions,
                    weight_transport=actors.store.spec.transport, weight_route=route,
                    pictures=[str(p) for p in pictures],
+                   final_weights=f"moving average (trainer.ema_decay {run.config.trainer.ema_decay})"
+                   if run.config.trainer.ema_decay else "last step",
                    best_eval_return=progress.best.get("eval_return"), best_step=progress.best.get("step"))
     (run.run_dir / FINISHED_FILE).write_text(json.dumps(summary, indent=2))
     return summary
