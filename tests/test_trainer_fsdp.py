@@ -164,8 +164,13 @@ def test_the_moving_average_of_two_ranks_is_kept_checkpointed_and_becomes_the_we
         w1 = _weights(group, tmp_path / "w1")
         asyncio.run(group.train_step(samples))
         w2 = _weights(group, tmp_path / "w2")
+        # A forward without backward (the job's sync check) leaves the root's parameters gathered.
+        prompt = tuple(tokenizer.encode("Your sum is 14, hard. Dealer shows 10. HIT or STICK?", add_special_tokens=False))
+        before = asyncio.run(group.score([(prompt, (allowed[0],))]))
         asyncio.run(group.use_average())
         average = _weights(group, tmp_path / "average")
+        after = asyncio.run(group.score([(prompt, (allowed[0],))]))
+        assert after != before  # the next forward computes with the average
     finally:
         _stop(group, ranks)
     for k in w0:

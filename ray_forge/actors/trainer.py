@@ -12,6 +12,7 @@ from pathlib import Path
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from ray_forge.config.schema import GRPOConfig, TrainerConfig
 from ray_forge.core.algorithm import TOKEN_STATS as STATS
@@ -137,7 +138,7 @@ class TitanTrainer:
     def _average_in(self) -> None:
         """One step of the moving average (every step, an empty one too: the average is over steps)."""
         if self.average is not None:
-            for name, param in self.model.named_parameters():
+            for name, param in self._sharded_parameters():
                 self.average[name].lerp_(param.detach(), 1.0 - self.cfg.ema_decay)
 
     @torch.no_grad()
@@ -146,8 +147,17 @@ class TitanTrainer:
         what an export writes)."""
         if self.average is None:
             raise RuntimeError("use_average needs trainer.ema_decay > 0: no average was kept")
-        for name, param in self.model.named_parameters():
+        for name, param in self._sharded_parameters():
             param.copy_(self.average[name])
+
+    def _sharded_parameters(self):
+        """The parameters as FSDP2 shards them. A forward without backward (a sync check) leaves
+        the root module's parameters gathered, as plain tensors; resharding first also makes the
+        next forward gather what was written here."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return self.model.named_parameters()
 
     def _loss(self, micro: TensorBatch, normalizer: torch.Tensor):
         logits_BTV = distinct_forward(self.model, micro.inputs_BT)
