@@ -227,6 +227,18 @@ async def close_step(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fl
     metrics.advance(reward=row["train_reward"], eval=row.get("eval_return"), loss=row.get("loss"))
 
 
+async def end_on_average(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet) -> dict:
+    """The run ends on the moving average of its weights (``trainer.ema_decay``): the trainer ranks
+    take it, the engines load it as one more version, and policy-0 is checked against it."""
+    await actors.trainer.use_average()
+    version = config.run.steps + 1
+    await fleet.sync_weights(actors.trainer, actors.store.spec, version)
+    if not config.run.sync_check_every:
+        return {}
+    return await fleet.check_sync(actors.trainer, env.probe_prompts(), seed=config.run.seed + version,
+                                  tolerance=config.run.sync_check_tolerance)
+
+
 async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> dict:
     config, run_dir = run.config, run.run_dir
     checkpoints, progress = Checkpoints(run), start.progress
@@ -244,14 +256,12 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> d
         await fleet.start()
         first_batch = await checkpoints.resume(actors, fleet, start) if start.buffer is not None else 0
         await train(config, env, actors, fleet, checkpoints, progress, first_batch, metrics)
-        if config.trainer.ema_decay:  # the run ends on the average of its weights: the engines load it
-            await actors.trainer.use_average()
-            await fleet.sync_weights(actors.trainer, actors.store.spec, config.run.steps + 1)
+        checked = await end_on_average(config, env, actors, fleet) if config.trainer.ema_decay else {}
         final_policy = await checkpoints.save_policy(actors, "final_policy", config.run.steps)
         final, final_row = await fleet.evaluate(RolloutSettings.of(config), final=True)
         await fleet.settle()
         log.info("final policy: %s", final_policy)
-        summary = summarize(run, env, actors, fleet, progress, final, final_row)
+        summary = summarize(run, env, actors, fleet, progress, final, {**final_row, **checked})
         metrics.images(summary["pictures"], config.run.steps)
         return summary
     finally:

@@ -58,7 +58,7 @@ def test_a_registered_env_trains_for_two_steps(light, ray_cluster, tmp_path):
                          "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64"])
     run_dir = Path(summary["run_dir"])
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2] and set(summary["policy_versions"]) == {2}
+    assert [r["step"] for r in rows] == [1, 2] and set(summary["policy_versions"]) == {3}  # 2 steps, then the demo's average
     for row in rows:
         assert row["num_games"] == 64 and row["env_errors"] == 0  # every answer was LEFT or RIGHT
         assert 0.0 < row["train_reward"] < 2.0  # its option reached the env actors: right answers earn 2

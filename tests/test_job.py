@@ -90,8 +90,11 @@ def test_job_writes_metrics_and_a_final_policy(finished_run):
     # buffer.fixed_lag (the demo's): batch b is played wholly by version b - 1, whatever the machine's
     # pace, and trained at step b + 1, from version b: no weights landed in the middle of a batch.
     assert [(r["policy_lag"], r["policy_lag_max"]) for r in rows] == [(0.0, 0), (1.0, 1), (1.0, 1)]
-    # Every weight push went through the store, and both engines ended on the last version.
-    assert summary["weight_transport"] == summary["weight_route"] == "shm" and summary["policy_versions"] == [3, 3]
+    # Every weight push went through the store, and both engines ended on the last version: the
+    # demo config's moving average of the weights (trainer.ema_decay), published after step 3.
+    assert summary["weight_transport"] == summary["weight_route"] == "shm" and summary["policy_versions"] == [4, 4]
+    assert summary["final_weights"] == "moving average (trainer.ema_decay 0.9)"
+    assert summary["sync_greedy_agreement"] == 1.0  # and policy-0 was checked against it
     assert all(0 < r["weight_publish_s"] + r["weight_load_s"] <= r["weight_sync_s"] for r in rows)
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         assert (run_dir / "final_policy" / name).is_file(), name
@@ -131,7 +134,7 @@ def test_the_job_over_nixl_keeps_both_engines_equal_to_the_trainer(ray_cluster, 
     summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",
                          *SHORT, "weights.transport=nixl", "grpo.kl_coef=0"])
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert summary["weight_transport"] == "nixl" and summary["policy_versions"] == [3, 3]
+    assert summary["weight_transport"] == "nixl" and summary["policy_versions"] == [4, 4]  # 3 steps, the average
     assert re.fullmatch(r"nixl \(UCX: \S+/\S+ \((intra|inter)-node\)\)", summary["weight_route"]), summary
     assert [r["sync_greedy_agreement"] for r in rows] == [1.0, 1.0, 1.0]
     assert all(0 <= r["sync_logprob_max_diff"] <= 1e-4 for r in rows), [r["sync_logprob_max_diff"] for r in rows]

@@ -243,5 +243,5 @@ def test_grpo_job_trains_against_an_openenv_server(openspiel_url, ray_cluster, t
     for row in rows:  # every game was played to its end on the server, none lost to errors
         assert row["num_games"] == 64 and row["env_errors"] == 0
         assert -1.0 <= row["train_reward"] <= 1.0
-    assert summary["policy_versions"] == [2, 2]
+    assert summary["policy_versions"] == [3, 3]  # 2 steps, then the demo config's average (trainer.ema_decay)
     assert -1.0 <= summary["exact_return"] <= 1.0  # the same greedy evaluation as local BlackJack
