@@ -220,6 +220,7 @@ def test_calls_in_flight_at_once_share_one_request_per_prompt_and_keep_their_own
 
     states = _prompts(40)
     alone = [policy.generate(states * 8, seed=seed) for seed in (11, 12)]
+    policy._known.clear()  # else the distributions ``alone`` computed serve both calls with no request at all
     unblock = threading.Event()
     policy.loop.run(lambda engine: unblock.wait(60))  # the step loop is busy: both calls' requests queue
     first_request = next(policy.loop._ids)
@@ -237,6 +238,34 @@ def test_calls_in_flight_at_once_share_one_request_per_prompt_and_keep_their_own
     assert [t.response_ids for t in answers[11]] == [t.response_ids for t in alone[0]]
     assert [t.response_ids for t in answers[12]] == [t.response_ids for t in alone[1]]
     assert [t.response_ids for t in answers[11]] != [t.response_ids for t in answers[12]]
+
+
+def test_a_prompts_distribution_is_computed_once_per_weight_version(policy):
+    """Later calls on the same states draw from the distributions already computed, with their own
+    seeds, and cost the engine no request; once the engine's tokens carry another version, every
+    state is computed again."""
+    states = [state + " Again?" for state in _prompts(40)]  # words the word-level tokenizer never saw: new prompts
+
+    def requests(seed: int) -> tuple[int, list]:
+        first = next(policy.loop._ids)
+        answers = policy.generate(states * 8, seed=seed)
+        return next(policy.loop._ids) - first - 1, answers
+
+    made, first = requests(21)
+    assert made == len(set(states))
+    made, again = requests(22)
+    assert made == 0
+    assert [t.response_ids for t in again] != [t.response_ids for t in first]
+    assert {t.versions() for t in again} == {(policy.version,)}
+    assert [t.response_ids for t in requests(21)[1]] == [t.response_ids for t in first]  # same seed, same draws
+    version = policy.version
+    policy.loop.run(lambda engine: policy.loop.label(version + 1)).result(timeout=60)
+    try:
+        made, relabelled = requests(21)
+        assert made == len(set(states))
+        assert {t.versions() for t in relabelled} == {(version + 1,)}
+    finally:
+        policy.loop.run(lambda engine: policy.loop.label(version)).result(timeout=60)
 
 
 def test_garbage_model_output_is_a_penalised_game(tiny_model_dir):

@@ -40,6 +40,8 @@ class EngineLoop:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self.version = version
+        """The version new tokens are labelled with (see ``label``)."""
         engine.set_weight_version(str(version))
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -185,6 +187,7 @@ class EngineLoop:
     def label(self, version: int) -> None:
         """Tokens sampled from now on carry ``version`` (on the loop thread: from a ``load``)."""
         self.engine.set_weight_version(str(version))
+        self.version = version
 
     def _step(self) -> None:
         outputs = self.engine.step()

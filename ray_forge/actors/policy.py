@@ -135,6 +135,9 @@ class VLLMPolicy:
         self._answer_text = functools.lru_cache(maxsize=TEXT_CACHE)(self._decode_after)
         self._in_flight: dict[tuple, Future] = {}
         """Waiting distribution requests by (prompt, priority): see ``_shared``."""
+        self._known: dict[tuple, Future] = {}
+        """Finished distribution requests by prompt, all of ``_known_version``: see ``_shared``."""
+        self._known_version = self.version
         self._shared_lock = threading.Lock()
         constrain = bool(config.constrain_to_actions and action_words)
         # Single-token action words: restrict every sample to their ids, as the trainer's logits are.
@@ -249,11 +252,15 @@ class VLLMPolicy:
 
     def _shared(self, requests: list[tuple[list[int], object]], priority: int) -> tuple[list[Future], list[Future]]:
         """Futures of the distributions of ``requests`` (draws), each shared with every call that
-        asks for the same prompt while its request is waiting: concurrent rollout calls (a batch's
-        chunks, the next batch) ask for mostly the same few states, and each request costs the engine
-        about as much as its forward. Returns (every request's future, those this call submitted)."""
+        asks for the same prompt while its request is waiting, and kept for later calls until the
+        engine loads other weights: rollout calls (every turn of a batch's games, its chunks, the
+        next batch) ask for mostly the same few states, and each request costs the engine about as
+        much as its forward. A kept distribution is the one the engine would compute again (the same
+        weights, whose version its answers carry). Returns (every request's future, those this call
+        submitted)."""
         with self._shared_lock:
-            futures = [self._in_flight.get((tuple(p), priority)) for p, _ in requests]
+            known = self._known if self._known_version == self.loop.version else {}
+            futures = [known.get(tuple(p)) or self._in_flight.get((tuple(p), priority)) for p, _ in requests]
             new = [r for r, f in zip(requests, futures) if f is None]
             own = self.loop.submit(new, priority) if new else []
             submitted = iter(own)
@@ -261,13 +268,22 @@ class VLLMPolicy:
             for (prompt, _), future in zip(new, own):
                 key = (tuple(prompt), priority)
                 self._in_flight[key] = future
-                future.add_done_callback(lambda done, key=key: self._forget(key, done))
+                future.add_done_callback(lambda done, key=key: self._finished(key, done))
         return futures, own
 
-    def _forget(self, key: tuple, future: Future) -> None:
+    def _finished(self, key: tuple, future: Future) -> None:
+        """A request is done: its distribution is kept while the engine holds the weights that
+        computed it (the version its token carries)."""
         with self._shared_lock:
             if self._in_flight.get(key) is future:
                 del self._in_flight[key]
+            if future.cancelled() or future.exception() is not None:
+                return
+            [version] = token_versions(future.result().outputs[0])
+            if version != self._known_version:
+                self._known, self._known_version = {}, version
+            if len(self._known) < TEXT_CACHE:
+                self._known[key[0]] = future
 
     def _draw(self, index: int, prompt_ids: tuple[int, ...], sample, n: int, seed: int | None) -> list[Answer]:
         """``n`` one-token answers drawn from the distribution the engine computed for this prompt
