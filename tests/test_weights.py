@@ -456,6 +456,7 @@ def test_killing_the_sender_mid_transfer_fails_the_receiver_naming_it(ray_cluste
         ray_cluster.get(sender.put.remote(store.spec, 1, seed=1), timeout=60)
         pending = stalled_read(receiver, store.spec, 1, tmp_path / "first_bucket_read", pause_s=3.0)
         ray_cluster.kill(sender)
+        _wait_until_dead(ray_cluster, sender)  # ray.kill returns before the process is gone (late on a busy machine)
         start = time.monotonic()
         with pytest.raises(Exception) as info:
             ray_cluster.get(pending, timeout=60)
@@ -512,6 +513,17 @@ def test_a_nixl_sender_writes_into_a_spare_arena_while_a_receiver_holds_old_refs
         store.destroy()
 
 
+def _wait_until_dead(ray, actor, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the killed actor still answered after {timeout_s:.0f}s")
+
+
 @pytest.mark.ray
 def test_a_dead_nixl_sender_is_named_within_the_timeout(ray_cluster, peers):
     """Over NIXL the bytes stay in the sender's memory: once it is gone, a receiver's read fails
@@ -522,6 +534,7 @@ def test_a_dead_nixl_sender_is_named_within_the_timeout(ray_cluster, peers):
     try:
         ray_cluster.get(sender.put.remote(store.spec, 1, seed=1), timeout=60)
         ray_cluster.kill(sender)
+        _wait_until_dead(ray_cluster, sender)  # ray.kill returns before the process is gone (late on a busy machine)
         start = time.monotonic()
         with pytest.raises(Exception) as info:
             ray_cluster.get(receiver.get.remote(store.spec, 1), timeout=60)
