@@ -21,7 +21,9 @@ SHORT = ["run.steps=3", "run.eval_every=3", "env.options.blackjack.mc_games=500"
          "cluster.include_dashboard=false", "policy.kv_cache_mb=64",
          # Qwen3 up to 4B ties its embeddings: the job runs tied, and compares the engine with the
          # trainer after every sync.
-         "model.tiny.tie_word_embeddings=true", "run.sync_check_every=1"]
+         "model.tiny.tie_word_embeddings=true", "run.sync_check_every=1",
+         # The asynchronous loop (the demo is synchronous now): training overlaps the next batch.
+         "buffer.max_policy_lag=1"]
 
 
 class MetricsScraper(threading.Thread):
@@ -87,7 +89,7 @@ def test_job_writes_metrics_and_a_final_policy(finished_run):
     assert "eval_return" in rows[-1] and -1.0 <= rows[-1]["eval_return"] <= 1.0
     assert any(r["kl"] > 0 for r in rows[1:])  # the reference actor ran and the policy moved away from it
     assert rows[-1]["version"] == 3
-    # buffer.fixed_lag (the demo's): batch b is played wholly by version b - 1, whatever the machine's
+    # buffer.fixed_lag (the demo's) with a lag of 1: batch b is played wholly by version b - 1, whatever the machine's
     # pace, and trained at step b + 1, from version b: no weights landed in the middle of a batch.
     assert [(r["policy_lag"], r["policy_lag_max"]) for r in rows] == [(0.0, 0), (1.0, 1), (1.0, 1)]
     # Every weight push went through the store, and both engines ended on the last version: the
