@@ -9,6 +9,7 @@ addresses (127.0.0.2, 127.0.0.3, ...): ``ray start`` rewrites 127.0.0.1 to the h
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ray_forge.net import free_port
+
+log = logging.getLogger(__name__)
+
+STARTED = "Ray runtime started."
+"""What ``ray start`` prints once its raylet has registered with the GCS."""
+START_ATTEMPTS = 3
 
 DROPPED = ("Remote end closed connection", "Connection aborted", "Connection reset by peer")
 """What ``ray job submit`` prints when the dashboard dropped the request (it may have been accepted)."""
@@ -56,7 +63,8 @@ class LocalCluster:
                  start_timeout_s: float = 120.0) -> None:
         if not nodes:
             raise ValueError("a cluster needs at least a head node")
-        self.nodes = nodes
+        self.nodes = list(nodes)
+        """Every node started, in order (``procs[i]`` is node i's ``ray start``), replacements included."""
         self.dashboard = dashboard
         self.start_timeout_s = start_timeout_s
         bin_dir = Path(sys.executable).parent
@@ -72,6 +80,8 @@ class LocalCluster:
         self.temp_dir = Path("/tmp") / f"rf_{os.getpid()}_{free_port()}"  # short: socket paths are limited
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        """Each node's ``ray start`` output (its latest try)."""
 
     @property
     def address(self) -> str:
@@ -82,27 +92,115 @@ class LocalCluster:
         return f"http://{self.nodes[0].ip}:{self.dashboard_port}"
 
     def start(self) -> "LocalCluster":
-        head, *workers = self.nodes
+        head = self.nodes[0]
         self._spawn([self.ray, "start", "--head", "--block", f"--port={self.gcs_port}", f"--temp-dir={self.temp_dir}",
                      f"--include-dashboard={str(self.dashboard).lower()}", f"--dashboard-host={head.ip}",
                      f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
                      *_node_args(head)])
         self._wait_for_port(head.ip, self.gcs_port)
-        for node in workers:
-            self._spawn([self.ray, "start", "--block", f"--address={self.address}", *_node_args(node)])
+        for index in range(1, len(self.nodes)):
+            self._spawn_worker(index)
+        for index in range(1, len(self.nodes)):
+            self._wait_started(index)
         return self
 
-    def _spawn(self, cmd: list[str]) -> None:
-        log = open(self.temp_dir.parent / f"{self.temp_dir.name}_{len(self.procs)}.log", "w")
-        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+    def kill_node(self, index: int) -> NodeSpec:
+        """Node ``index`` dies as a lost pod does: SIGKILL to its raylet, object store and workers at
+        once, no goodbye to the GCS, which notices by the missed heartbeats. Returns its spec (for
+        ``add_node``). The head cannot be killed: it holds the GCS."""
+        if not 0 < index < len(self.procs):
+            raise ValueError(f"node {index} is not a worker node of this cluster (0 is the head; {len(self.procs)} started)")
+        proc = self.procs[index]
+        if proc.poll() is not None:
+            raise ValueError(f"node {index} ({self.nodes[index].ip}) is not running (rc {proc.returncode})")
+        self._kill_group(proc)
+        return self.nodes[index]
+
+    @staticmethod
+    def _kill_group(proc: subprocess.Popen) -> None:
+        """SIGKILL to a ``ray start`` and everything under it: the raylet, the object store, the
+        agents and the workers (each worker leads its own process group, so ``killpg`` alone misses
+        them; they are found while they are still the raylet's children)."""
+        import psutil
+
+        try:
+            group = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            group = []
+        for member in group:
+            try:
+                member.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+
+    def add_node(self, node: NodeSpec) -> int:
+        """Start one more worker node (a replacement, the same spec as a killed one); returns its index.
+        It is alive once ``wait_for_nodes`` counts it."""
+        self.nodes.append(node)
+        index = len(self.nodes) - 1
+        self._spawn_worker(index)
+        self._wait_started(index)
+        return index
+
+    def alive(self) -> list[int]:
+        """Indexes of the nodes whose ``ray start`` still runs."""
+        return [i for i, proc in enumerate(self.procs) if proc.poll() is None]
+
+    def wait_for_nodes(self, count: int, timeout_s: float | None = None) -> None:
+        """Until Ray counts ``count`` live nodes (this process must be connected)."""
+        import ray
+
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        while sum(n["Alive"] for n in ray.nodes()) != count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray counts {sum(n['Alive'] for n in ray.nodes())} live nodes, not {count}, "
+                                   f"after {timeout_s or self.start_timeout_s:.0f}s")
+            time.sleep(0.5)
+
+    def _spawn(self, cmd: list[str], index: int | None = None) -> None:
+        """Start node ``index``'s ``ray start`` (a new node when None; a retry replaces the old one)."""
+        index = len(self.procs) if index is None else index
+        self.logs[index:index + 1] = [self.temp_dir.parent / f"{self.temp_dir.name}_{index}_{time.monotonic_ns()}.log"]
+        with open(self.logs[index], "w") as log:
+            proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[index:index + 1] = [proc]
+
+    def _spawn_worker(self, index: int) -> None:
+        # Fresh ports on every try: one chosen free may have been taken since (see ``free_port``).
+        self._spawn([self.ray, "start", "--block", f"--address={self.address}", *_node_args(self.nodes[index])], index)
+
+    def _wait_started(self, index: int) -> None:
+        """Until node ``index``'s ``ray start`` says its raylet registered. It is tried again, with
+        new ports, when it exits first: on a busy machine a port chosen free can be taken before the
+        raylet binds it, and ``ray start`` gives up after 30 s without an answer from the GCS."""
+        deadline = time.monotonic() + self.start_timeout_s
+        for attempt in range(1, START_ATTEMPTS + 1):
+            while self.procs[index].poll() is None and time.monotonic() < deadline:
+                if STARTED in self.logs[index].read_text(errors="replace"):
+                    return
+                time.sleep(0.2)
+            failed = self.logs[index]
+            if self.procs[index].poll() is None:
+                raise TimeoutError(f"node {index} ({self.nodes[index].ip}) did not start within "
+                                   f"{self.start_timeout_s:.0f}s; see {failed}")
+            self._kill_group(self.procs[index])
+            if attempt < START_ATTEMPTS:
+                log.warning("node %d (%s) failed to start (rc %s, see %s); trying again with new ports",
+                            index, self.nodes[index].ip, self.procs[index].returncode, failed)
+                self._spawn_worker(index)
+        raise RuntimeError(f"node {index} ({self.nodes[index].ip}) failed to start {START_ATTEMPTS} times; see {failed}")
 
     def _wait_for_port(self, host: str, port: int) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.procs[0].poll() is not None:
                 raise RuntimeError(f"the head node exited during start-up (rc {self.procs[0].returncode}); "
-                                   f"see {self.temp_dir}_0.log")
+                                   f"see {self.logs[0]}")
             with socket.socket() as sock:
                 if sock.connect_ex((host, port)) == 0:
                     return
@@ -114,12 +212,7 @@ class LocalCluster:
         import ray
 
         ray.init(address=self.address, **init_kwargs)
-        deadline = time.monotonic() + self.start_timeout_s
-        while sum(n["Alive"] for n in ray.nodes()) < len(self.nodes):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {sum(n['Alive'] for n in ray.nodes())} of {len(self.nodes)} nodes "
-                                   f"joined within {self.start_timeout_s:.0f}s")
-            time.sleep(0.5)
+        self.wait_for_nodes(len(self.procs))
 
     def wait_for_jobs(self, timeout_s: float = 240.0) -> None:
         """Until the head's job API answers (it needs ``dashboard=True``)."""

@@ -151,8 +151,13 @@ class ControllerClient:
 
     def start(self) -> None:
         """Start the controller (owned by the calling process, normally the driver)."""
-        # Keep this handle: Ray stops an actor once its creator's handles are gone.
-        self._handle = ControllerActor.options(name=controller_name(self.spec.name), get_if_exists=True).remote()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # Keep this handle: Ray stops an actor once its creator's handles are gone. On the creator's
+        # node (the driver's): anywhere else, losing that node would take every version's bookkeeping.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._handle = ControllerActor.options(name=controller_name(self.spec.name), get_if_exists=True,
+                                               scheduling_strategy=here).remote()
         self.ask(self._handle.versions.remote(), "start-up", timeout_s=max(CONTROLLER_TIMEOUT_S, self.spec.timeout_s))
 
     @property
