@@ -17,6 +17,7 @@ import time
 import ray
 
 from ray_forge.actors.rollout import RolloutSettings
+from ray_forge.config.schema import POOL_LABEL
 from ray_forge import identity
 from ray_forge.core.episode import Episode
 from ray_forge.identity import ActorId, Role
@@ -44,7 +45,7 @@ MAX_EVAL_ATTEMPTS = 3
 EVALUATOR, EVALUATED = identity.env(0), identity.policy(0)
 """The env actor that runs evaluations, and the engine they and the sync check ask."""
 
-CARRIED = ("actor_restarts", "replayed_games", "chaos_kills")
+CARRIED = ("actor_restarts", "replayed_games", "chaos_kills", "nodes_lost")
 """Counts since the run began, carried across a resume (``carry``)."""
 
 
@@ -75,6 +76,9 @@ class Fleet:
         """``CARRIED`` counts from before a resume."""
         self.plays_done = 0
         """Chunks played to the end: the chaos monkey waits for one between its kills."""
+        self.nodes_seen: dict[str, str] = {}
+        """Every node seen alive since the run began: its id and where it was (address, pool)."""
+        self.nodes_lost: set[str] = set()
 
     async def start(self) -> None:
         """Record each member's process, to tell a restart from a slow answer later."""
@@ -291,9 +295,23 @@ class Fleet:
         counted = [_actor_state(handle) for handle in self.members.values()]
         restarts = sum(c[0] for c in counted) if None not in counted else self.restarts
         since_start = dict(actor_restarts=restarts, replayed_games=self.replayed_games,
-                           chaos_kills=len(self.chaos_kills))
+                           chaos_kills=len(self.chaos_kills), nodes_lost=self._count_lost_nodes())
         return {**{k: v + self.carried.get(k, 0) for k, v in since_start.items()},
                 "actors_restarting": len(self._recovering), "actors_lost": len(self.lost)}
+
+    def _count_lost_nodes(self) -> int:
+        """Nodes of the cluster seen alive since the run began and dead now (a lost pod, a preempted
+        VM): each is logged once, with where it was."""
+        for node in ray.nodes():
+            node_id = node["NodeID"]
+            if node["Alive"]:
+                self.nodes_seen.setdefault(node_id, f"{node['NodeManagerAddress']} "
+                                                    f"(pool {node.get('Labels', {}).get(POOL_LABEL, 'unlabelled')})")
+            elif node_id in self.nodes_seen and node_id not in self.nodes_lost:
+                self.nodes_lost.add(node_id)
+                log.error("node %s at %s was lost: its actors restart elsewhere or wait for a node to replace it",
+                          node_id[:8], self.nodes_seen[node_id])
+        return len(self.nodes_lost)
 
     # -- questions for policy-0 --------------------------------------------------------------
     async def evaluate(self, settings: RolloutSettings, final: bool = False) -> tuple[dict, dict]:
