@@ -13,16 +13,39 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A 2-CPU local Ray cluster for the whole session, shut down at the end."""
+def _init_session_ray() -> None:
     import ray
 
     ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, object_store_memory=512 * 2**20,
              namespace="ray_forge_tests", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}})
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A 2-CPU local Ray cluster for the whole session, shut down at the end."""
+    import ray
+
+    _init_session_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def own_ray_cluster():
+    """For a test whose process joins a cluster of its own (``LocalCluster.connect``): a process
+    holds one Ray connection, so the session's cluster, if an earlier test started it, is shut
+    down first and started again after (later tests get ``ray_cluster`` as it was)."""
+    import ray
+
+    had_session = ray.is_initialized()
+    if had_session:
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+    if had_session:
+        _init_session_ray()
 
 
 @pytest.fixture(scope="session")

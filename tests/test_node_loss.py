@@ -9,7 +9,8 @@ import pytest
 from ray_forge.cluster.local import LocalCluster, NodeSpec
 from ray_forge.config.schema import POOL_LABEL
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.slow, pytest.mark.ray,
+              pytest.mark.usefixtures("own_ray_cluster")]  # this process joins each test's own cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD, WORKER = "127.0.0.2", "127.0.0.3"
