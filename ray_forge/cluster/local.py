@@ -155,19 +155,20 @@ class LocalCluster:
         """Until Ray counts ``count`` live nodes (this process must be connected)."""
         import ray
 
-        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        timeout_s = timeout_s or self.start_timeout_s
+        deadline = time.monotonic() + timeout_s
         while sum(n["Alive"] for n in ray.nodes()) != count:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Ray counts {sum(n['Alive'] for n in ray.nodes())} live nodes, not {count}, "
-                                   f"after {timeout_s or self.start_timeout_s:.0f}s")
+                                   f"after {timeout_s:.0f}s")
             time.sleep(0.5)
 
     def _spawn(self, cmd: list[str], index: int | None = None) -> None:
         """Start node ``index``'s ``ray start`` (a new node when None; a retry replaces the old one)."""
         index = len(self.procs) if index is None else index
         self.logs[index:index + 1] = [self.temp_dir.parent / f"{self.temp_dir.name}_{index}_{time.monotonic_ns()}.log"]
-        with open(self.logs[index], "w") as log:
-            proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.logs[index], "w") as out:
+            proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[index:index + 1] = [proc]
 
     def _spawn_worker(self, index: int) -> None:
