@@ -148,14 +148,25 @@ class VLLMPolicy:
         # vLLM returns at most max_logprobs (20) logprobs per token.
         self.draws = bool(config.draw_from_distribution and config.max_tokens == 1 and self.allowed_ids
                           and len(self.allowed_ids) <= 20)
-        log.info("vLLM engine up in %.1fs (%s, allowed tokens %s, action choice %s, draws %s)",
-                 time.monotonic() - start, model_dir, self.allowed_ids, self.action_choice, self.draws)
         self.loop = EngineLoop(self.llm.llm_engine, self.version, on_failure=_die_if_actor)
+        warm_s = self._warm_up()
+        log.info("vLLM engine up in %.1fs, %.1fs of it a first answer (%s, allowed tokens %s, action choice %s, "
+                 "draws %s)", time.monotonic() - start, warm_s, model_dir, self.allowed_ids, self.action_choice,
+                 self.draws)
         self.weights = EngineWeights(self.llm, engine_name())
         self._sync_lock = threading.Lock()
         """One weight update at a time: a fetch fills buffers the next load reads."""
         if _restarted_actor():
             self._catch_up(store_name)
+
+    def _warm_up(self) -> float:
+        """One greedy answer before any call; returns its seconds. The engine's first step pays
+        vLLM's and torch's one-time set-up (about 2 s on CPU), which otherwise lands on the run's
+        first batch of games: its step took 3 to 8 s longer than the next."""
+        start = time.monotonic()
+        prompt = (self.tokenizer.eos_token_id or 0,)  # any token: only the step itself matters
+        self.generate_ids([prompt], [self.config.max_tokens], (), greedy=True, priority=-1)
+        return time.monotonic() - start
 
     def _catch_up(self, store_name: str) -> None:
         """A restarted engine starts from the base model: load the newest published policy
