@@ -38,7 +38,7 @@ from ray_forge.models.tiny import ModelError
 from ray_forge.observe.metrics import MetricsLog, timed
 from ray_forge.observe.trackers import open_trackers
 from ray_forge.remote import RemoteCallError, call, computed
-from ray_forge.run.chaos import chaos_monkey
+from ray_forge.run.chaos import NodeChaos, chaos_monkey
 from ray_forge.run.checkpoints import Checkpoints, Progress, Restored
 from ray_forge.run.command_line import parse_args, run_cli, stops_resumably
 from ray_forge.run.directory import Run, base_model, create, open_run
@@ -124,11 +124,11 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
 
 
 async def next_batch(config: JobConfig, actors: Actors, version: int,
-                     rollout: asyncio.Task) -> tuple[dict, ray.ObjectRef]:
+                     guards: tuple[asyncio.Task, ...]) -> tuple[dict, ray.ObjectRef]:
     """A step's games, made into samples by the buffer: (their statistics, a reference to the samples,
-    which the trainer fetches itself). Fails if the rollout loop dies first."""
+    which the trainer fetches itself). Fails if a guard (the rollout loop, the trainer's watch) fails first."""
     limit_s = 2 * RolloutSettings.of(config).play_limit_s  # a backstop: every rollout call has its own timeout
-    batch = await beside(rollout, call(
+    batch = await beside(guards, call(
         actors.buffer.wait_batch.remote(config.grpo.games_per_step, version, config.trainer.merge_identical, limit_s,
                                         config.grpo.scale_rewards),
         timeout_s=limit_s + 60, what="buffer.wait_batch"), "training finished")
@@ -137,32 +137,39 @@ async def next_batch(config: JobConfig, actors: Actors, version: int,
     return batch
 
 
-async def played(state: LoopState, batches: range, rollout: asyncio.Task) -> None:
-    """Until every batch of ``batches`` is in the buffer; fails if the rollout loop dies first."""
+async def played(state: LoopState, batches: range, guards: tuple[asyncio.Task, ...]) -> None:
+    """Until every batch of ``batches`` is in the buffer; fails if a guard fails first."""
     async def all_played() -> None:
         async with state.progress:
             await state.progress.wait_for(lambda: state.played.issuperset(batches))
 
-    await beside(rollout, all_played(), "its batches were played")
+    await beside(guards, all_played(), "its batches were played")
 
 
-async def beside(rollout: asyncio.Task, work: Awaitable[T], what: str) -> T:
-    """``work``'s result, unless the rollout loop dies first: then its error."""
+async def beside(guards: tuple[asyncio.Task, ...], work: Awaitable[T], what: str) -> T:
+    """``work``'s result, unless a guard (a task that runs as long as the run: the rollout loop,
+    the trainer's watch) ends first: then its error."""
     wait = asyncio.ensure_future(work)
-    await asyncio.wait({wait, rollout}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({wait, *guards}, return_when=asyncio.FIRST_COMPLETED)
     if not wait.done():
         wait.cancel()
-        rollout.result()  # re-raises the rollout's error
-        raise RuntimeError(f"rollout loop stopped before {what}")
+        for guard in guards:
+            if guard.done():
+                guard.result()  # re-raises its error
+        raise RuntimeError(f"a guard of the run stopped before {what}")
     return wait.result()
 
 
 async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, checkpoints: Checkpoints,
                 progress: Progress, first_batch: int, metrics: MetricsLog) -> None:
+    lose_nodes = NodeChaos(config.chaos.kill_nodes, actors.by_name()) if config.chaos.kill_nodes else None
     state = LoopState()
     settings = RolloutSettings.of(config)
     rollout = asyncio.create_task(rollout_loop(config, actors, fleet, state, first_batch))
-    chaos = asyncio.create_task(chaos_monkey(config.chaos, fleet, state.stop)) if config.chaos.every_s else None
+    guards = (rollout, asyncio.create_task(actors.trainer.watch()))  # a lost trainer node stops the run at once
+    chaos = [asyncio.create_task(chaos_monkey(config.chaos, fleet, state.stop))] if config.chaos.every_s else []
+    if lose_nodes is not None:
+        chaos.append(asyncio.create_task(lose_nodes.run(progress, state.stop)))
     closing: asyncio.Task | None = None
     try:
         if config.run.eval_before_train and progress.step == 0:
@@ -171,7 +178,7 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
             metrics.log(0, **row, **eval_s)
         for step in range(progress.step + 1, config.run.steps + 1):
             step_start = time.monotonic()
-            batch_stats, samples = await next_batch(config, actors, step - 1, rollout)
+            batch_stats, samples = await next_batch(config, actors, step - 1, guards)
             if closing is not None:  # the last step's checks ran while this batch came in
                 await closing
             ref = None
@@ -180,7 +187,7 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
                 await computed(ref, timeout_s=config.reference.call_timeout_s, what="ref.logprobs")  # for the trainer
             train_stats, train_s = await timed(actors.trainer.train_step(samples, ref), "train_s")
             if config.buffer.fixed_lag:  # the batches the new weights must not reach are played first
-                await played(state, range(first_batch, step + config.buffer.max_policy_lag), rollout)
+                await played(state, range(first_batch, step + config.buffer.max_policy_lag), guards)
             sync = await fleet.sync_weights(actors.trainer, actors.store.spec, step)
             row = dict(**batch_stats, **train_stats, **train_s, **sync, **state.rates(), **fleet.stats(),
                        **await call(actors.buffer.stats.remote(), timeout_s=60, what="buffer.stats"))
@@ -197,10 +204,12 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
             await closing
     finally:
         state.stop.set()
+        guards[1].cancel()
+        await asyncio.gather(guards[1], return_exceptions=True)  # its error, if any, was raised already
         if closing is not None and not closing.done():
             closing.cancel()
         try:
-            await asyncio.wait_for(asyncio.gather(rollout, *([chaos] if chaos else [])),
+            await asyncio.wait_for(asyncio.gather(rollout, *chaos),
                                    timeout=config.policy.call_timeout_s)
         except Exception as err:  # the rollout's own error was already raised by next_batch
             log.debug("rollout loop ended: %s", err)
@@ -210,7 +219,7 @@ async def close_step(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fl
                      progress: Progress, metrics: MetricsLog, step: int, row: dict, step_start: float) -> None:
     """A step's sync check and evaluation, then its metrics row. It runs while the next batch comes
     in, off the training loop's path; the next step trains and syncs only after it, so the check
-    reads the trainer and policy-0, and the evaluation policy-0, as this step left them."""
+    reads the trainer and the first engine up, and the evaluation that engine, as this step left them."""
     check_due = bool(config.run.sync_check_every) and step % config.run.sync_check_every == 0
     eval_due = bool(config.run.eval_every) and (step % config.run.eval_every == 0 or step == config.run.steps)
     (checked, check_s), (evaluated, eval_s) = await asyncio.gather(
@@ -222,6 +231,7 @@ async def close_step(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fl
         result, eval_row = evaluated
         row.update(eval_row, **eval_s)
         await checkpoints.keep_evaluation(actors, progress, step, result, eval_row)
+    await fleet.roll_call()  # a member restarted while idle counts too
     row.update(fleet.stats(), step_time_s=time.monotonic() - step_start)  # the restarts and kills until now
     metrics.log(step, **row)
     metrics.advance(reward=row["train_reward"], eval=row.get("eval_return"), loss=row.get("loss"))
@@ -229,7 +239,7 @@ async def close_step(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fl
 
 async def end_on_average(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet) -> dict:
     """The run ends on the moving average of its weights (``trainer.ema_decay``): the trainer ranks
-    take it, the engines load it as one more version, and policy-0 is checked against it."""
+    take it, the engines load it as one more version, and the first engine up is checked against it."""
     await actors.trainer.use_average()
     version = config.run.steps + 1
     await fleet.sync_weights(actors.trainer, actors.store.spec, version)
@@ -252,7 +262,8 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> d
                              trackers=open_trackers(config.run.loggers, run_dir, to_dict(config), progress.step))
         actors = start_actors(config, env, model_dir, store_name=run_dir.name)
         fleet = Fleet(actors.policies, actors.envs, policy_timeout_s=config.policy.call_timeout_s,
-                      env_timeout_s=config.env.call_timeout_s)
+                      env_timeout_s=config.env.call_timeout_s, capacity_timeout_s=config.cluster.placement_timeout_s,
+                      needs=lambda role: actors.pools.need(role.value, config.cluster.pool_labels))
         await fleet.start()
         first_batch = await checkpoints.resume(actors, fleet, start) if start.buffer is not None else 0
         await train(config, env, actors, fleet, checkpoints, progress, first_batch, metrics)
@@ -270,7 +281,7 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> d
         if fleet is not None:
             await fleet.close()
         if actors is not None:
-            actors.shutdown()
+            actors.shutdown(gone=fleet.lost if fleet is not None else ())
         if started_ray:
             ray.shutdown()
 
@@ -286,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary = asyncio.run(run_job(run, env, model_dir, Checkpoints(run).restore()))
     # One line: the numbers and the run's own lists; an env's per-state or per-task ones stay in eval.json.
     print(json.dumps({k: v for k, v in summary.items()
-                      if not isinstance(v, (list, dict)) or k in ("pictures", "policy_versions")}))
+                      if not isinstance(v, (list, dict)) or k in ("pictures", "policy_versions", "engines_lost")}))
     return summary
 
 

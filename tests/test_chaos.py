@@ -89,8 +89,11 @@ class _StillFleet:
         self.plays_done = 0
         self.chaos_kills = []
 
-    def ray_restarts(self, name) -> None:
-        return None  # unknown: taken as up
+    def down(self, name) -> bool:
+        return False
+
+    def recover(self, name) -> None:
+        pass
 
 
 def test_the_monkey_never_kills_twice_before_a_chunk_has_finished(monkeypatch):
@@ -129,3 +132,23 @@ async def _until(holds, timeout_s: float = 60.0) -> None:
     while not holds():
         assert time.monotonic() < deadline, "not within the timeout"
         await asyncio.sleep(0.05)
+
+
+def test_kill_nodes_needs_a_local_cluster_this_process_joined_and_an_actor_of_the_run(monkeypatch):
+    """A node kill that could never happen is a config error before the run starts, not a fault
+    that silently never comes."""
+    from ray_forge.cluster import local
+    from ray_forge.config import ConfigError, load_config
+    from ray_forge.config.schema import JobConfig, NodeKill
+    from ray_forge.run.chaos import NodeChaos
+
+    config = load_config(JobConfig, None, ["chaos.kill_nodes=[{holding: policy-1, at_step: 3, replace_after_s: 10}]"])
+    assert config.chaos.kill_nodes == (NodeKill(holding="policy-1", at_step=3, replace_after_s=10.0),)
+    with pytest.raises(ConfigError, match="local multi-node cluster that this process started"):
+        NodeChaos(config.chaos.kill_nodes, {"policy-1": object()})
+    monkeypatch.setattr(local, "_joined", object())
+    with pytest.raises(ConfigError, match=r"chaos.kill_nodes\[0\].holding='policy-1' is no actor of this run "
+                                          r"\(known: env-0, policy-0, trainer-0\)"):
+        NodeChaos(config.chaos.kill_nodes, {"policy-0": object(), "env-0": object(), "trainer-0": object()})
+    with pytest.raises(ConfigError, match=r"chaos.kill_nodes\[0\].at_step = 0 is out of range"):
+        load_config(JobConfig, None, ["chaos.kill_nodes=[{holding: env-0, at_step: 0}]"])

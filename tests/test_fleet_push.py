@@ -58,7 +58,7 @@ def test_a_closed_fleet_cancels_its_waits_for_restarts_and_starts_no_more(monkey
     fleet = Fleet([object(), object()], [], policy_timeout_s=30, env_timeout_s=30)
     asked = []
 
-    async def never_back(name):
+    async def never_back(name, timeout_s=None):
         asked.append(name)
         await asyncio.sleep(3600)
 

@@ -1,7 +1,7 @@
 """A whole node lost, as a preempted pod is lost: its raylet, object store and workers killed at
-once (``LocalCluster.kill_node``), and a replacement with the same labels started after it."""
+once (``chaos.kill_nodes``, by ``LocalCluster.kill_node``), with or without a replacement node
+with the same labels joining after it."""
 
-import time
 from pathlib import Path
 
 import pytest
@@ -13,142 +13,126 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray,
               pytest.mark.usefixtures("own_ray_cluster")]  # this process joins each test's own cluster
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAD, WORKER = "127.0.0.2", "127.0.0.3"
+HEAD = "127.0.0.2"
 
 
-def _where(actor) -> tuple[str, int]:
-    import ray
-
-    return ray.get(actor.where.remote(), timeout=30)
-
-
-def test_a_killed_node_takes_its_actors_and_a_replacement_brings_them_back():
-    """An actor pinned to the cpu pool's node by a placement group dies with the node; Ray counts
-    the node dead; once a node with the same label joins, the bundle is placed again and the
-    actor restarts there, in a new process on the new node."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    cpu = NodeSpec(WORKER, num_cpus=1, labels={POOL_LABEL: "cpu"}, memory_bytes=2 * 10**9)
-    with LocalCluster([NodeSpec(HEAD, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=2 * 10**9), cpu]) as cluster:
-        cluster.connect(log_to_driver=False)
-        try:
-            group = placement_group([{"CPU": 0.5}], bundle_label_selector=[{POOL_LABEL: "cpu"}])
-            ray.get(group.ready(), timeout=120)
-
-            @ray.remote(max_restarts=-1, max_task_retries=0)
-            class Where:
-                def where(self) -> tuple[str, int]:
-                    import os
-
-                    return ray.get_runtime_context().get_node_id(), os.getpid()
-
-            actor = Where.options(num_cpus=0.5, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=0)).remote()
-            first_node, first_pid = _where(actor)
-            assert first_node == next(n["NodeID"] for n in ray.nodes() if n["NodeManagerAddress"] == WORKER)
-
-            assert cluster.kill_node(1) == cpu
-            assert cluster.alive() == [0]
-            cluster.wait_for_nodes(1, timeout_s=120)  # the GCS noticed: no goodbye was sent
-            with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
-                _where(actor)  # nowhere to restart: the only node with the label is gone
-
-            assert cluster.add_node(cpu) == 2
-            cluster.wait_for_nodes(2, timeout_s=120)
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    node, pid = _where(actor)
-                    break
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(1)
-            replacement = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == WORKER)
-            assert node == replacement != first_node
-            assert pid != first_pid
-        finally:
-            ray.shutdown()
-
-
-GPU_NODE, CPU_NODE = "127.0.0.3", "127.0.0.4"
+GPU_NODE, CPU_NODE, GPU_NODE_2 = "127.0.0.3", "127.0.0.4", "127.0.0.5"
 STEPS = 10
 GAMES = 64
 JOB = [f"run.steps={STEPS}", "run.eval_every=5", "env.options.blackjack.mc_games=200", f"grpo.prompts_per_step={GAMES // 8}",
        "run.progress=false", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.tiny.num_layers=2",
-       "policy.kv_cache_mb=64", "policy.num_replicas=1", "env.num_actors=2", "env.resources.num_cpus=0.25",
-       "cluster.pool_labels.gpu=gpu", "cluster.pool_labels.cpu=cpu", "policy.call_timeout_s=120"]
+       "policy.kv_cache_mb=64", "cluster.pool_labels.gpu=gpu", "cluster.pool_labels.cpu=cpu"]
 
 
-def _three_nodes() -> list[NodeSpec]:
-    """The head (the driver, the buffer, the weight store's controller), a gpu node (engine,
-    trainer, reference; CPU bundles stand in for GPUs) and a cpu node (the env actors)."""
-    return [NodeSpec(HEAD, num_cpus=1, memory_bytes=4 * 10**9),
-            NodeSpec(GPU_NODE, num_cpus=2, labels={POOL_LABEL: "gpu"}, memory_bytes=10 * 10**9),
-            NodeSpec(CPU_NODE, num_cpus=1, labels={POOL_LABEL: "cpu"}, memory_bytes=3 * 10**9)]
-
-
-def _at_step(run_root, step: int, timeout_s: float = 600.0) -> None:
-    """Until the run under ``run_root`` has logged ``step``."""
+def _run(cluster: LocalCluster, tmp_path: Path, caplog, *overrides: str) -> tuple[dict, list[dict]]:
+    """``jobs/grpo.py`` on ``cluster`` (joined here, so that ``chaos.kill_nodes`` can kill its nodes):
+    its summary and its metrics rows."""
     import json
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for metrics in run_root.glob("*/metrics.jsonl"):
-            lines = metrics.read_text().splitlines()
-            if lines and json.loads(lines[-1])["step"] >= step:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"the run did not reach step {step} within {timeout_s:.0f}s")
-
-
-def test_a_run_whose_cpu_node_is_lost_and_replaced_completes_and_accounts_for_every_game(tmp_path, caplog):
-    """The cpu node (both env actors) is killed mid-run and a node with its label joins 10 s later:
-    the games in play are replayed from their seeds once the env actors are back on it, every step
-    is logged, every game accounted for, and the metrics show the loss."""
-    import json
-    import threading
 
     import ray
 
     from jobs import grpo
+
+    cluster.connect(log_to_driver=False)
+    try:
+        with caplog.at_level("WARNING"):
+            summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"),
+                                 f"run.output_dir={tmp_path}", *JOB, *overrides])
+    finally:
+        ray.shutdown()
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def _accounted(rows: list[dict]) -> None:
+    """Every step logged, and every game accounted for at every step."""
     from ray_forge.actors.buffer import COUNTERS
 
-    faults: dict = {}
-
-    def lose_the_cpu_node() -> None:
-        try:
-            _at_step(tmp_path, 3)
-            spec = cluster.kill_node(2)
-            faults["killed"] = time.monotonic()
-            time.sleep(10)
-            cluster.add_node(spec)
-            faults["replaced"] = time.monotonic()
-        except BaseException as err:  # the test reads it: a thread's error is otherwise lost
-            faults["error"] = err
-
-    with LocalCluster(_three_nodes()) as cluster:
-        cluster.connect(log_to_driver=False)
-        try:
-            chaos = threading.Thread(target=lose_the_cpu_node, daemon=True)
-            chaos.start()
-            with caplog.at_level("WARNING"):
-                summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"),
-                                     f"run.output_dir={tmp_path}", *JOB])
-            chaos.join(timeout=60)
-        finally:
-            ray.shutdown()
-    assert "error" not in faults, faults
-    assert "replaced" in faults, "the node was never killed and replaced: the run ended first"
-    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:  # generated = trained + evicted as stale + dropped + still buffered, at every step
         assert row["generated"] == sum(row[k] for k in COUNTERS[1:]) + row["buffer_size"], row
+    assert rows[-1]["trained"] + rows[-1]["dropped_no_signal"] == STEPS * GAMES  # each step took one batch's worth
+
+
+def test_a_run_whose_cpu_node_is_lost_and_replaced_completes_and_accounts_for_every_game(tmp_path, caplog):
+    """Head (the driver, the buffer, the weight store's controller); a gpu node (engine, trainer,
+    reference; CPU bundles stand in for GPUs); a cpu node with both env actors. The cpu node is
+    killed after step 3 and a node with its label joins 10 s later: the env actors restart on it,
+    the games in play are replayed from their seeds, and the metrics show the loss."""
+    nodes = [NodeSpec(HEAD, num_cpus=1, memory_bytes=4 * 10**9),
+             NodeSpec(GPU_NODE, num_cpus=2, labels={POOL_LABEL: "gpu"}, memory_bytes=10 * 10**9),
+             NodeSpec(CPU_NODE, num_cpus=1, labels={POOL_LABEL: "cpu"}, memory_bytes=3 * 10**9)]
+    with LocalCluster(nodes) as cluster:
+        summary, rows = _run(cluster, tmp_path, caplog, "policy.num_replicas=1", "env.num_actors=2",
+                             "env.resources.num_cpus=0.25", "policy.call_timeout_s=120",
+                             "chaos.kill_nodes=[{holding: env-0, at_step: 3, replace_after_s: 10}]")
+    _accounted(rows)
     last = rows[-1]
     assert last["nodes_lost"] == 1, last
     assert last["actor_restarts"] >= 2 and last["replayed_games"] > 0, last  # both env actors came back
-    assert last["trained"] + last["dropped_no_signal"] == STEPS * GAMES
+    assert f"chaos: killing node 2 at {CPU_NODE}" in caplog.text
+    assert f"chaos: node 3 joined at {CPU_NODE}" in caplog.text
     assert f"at {CPU_NODE} (pool cpu) was lost" in caplog.text
+    assert "env-0 restarted" in caplog.text and "env-1 restarted" in caplog.text
+    assert summary["engines_lost"] == [] and summary["policy_versions"] == [STEPS + 1]
     assert (Path(summary["run_dir"]) / "final_policy" / "model.safetensors").is_file()
+
+
+def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp_path, caplog):
+    """Head (labelled cpu: the driver, trainer, env actor, buffer); two gpu nodes that fit one
+    engine each. policy-1's node is killed after step 3 and nothing replaces it: its games are
+    replayed on policy-0, the run goes on with one engine, says so, and ends with every game
+    accounted for; the lost engine is named in the summary and left out of the weight syncs."""
+    nodes = [NodeSpec(HEAD, num_cpus=2, labels={POOL_LABEL: "cpu"}, memory_bytes=8 * 10**9),
+             NodeSpec(GPU_NODE, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9),
+             NodeSpec(GPU_NODE_2, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9)]
+    with LocalCluster(nodes) as cluster:
+        summary, rows = _run(cluster, tmp_path, caplog, "policy.num_replicas=2", "policy.resources.num_cpus=1",
+                             "trainer.resources.pool=cpu", "env.num_actors=1", "policy.call_timeout_s=20",
+                             "chaos.kill_nodes=[{holding: policy-1, at_step: 3}]")
+    _accounted(rows)
+    last = rows[-1]
+    # Down at the last step: restarting, or already left out (the run may end before its 20 s pass).
+    assert last["nodes_lost"] == 1 and last["actors_restarting"] + last["actors_lost"] == 1, last
+    assert "policy-1 is not back after 20s" in caplog.text  # by the run's end, which waited for no more
+    assert "the run goes on with 1 of 2 policy actors" in caplog.text
+    assert summary["engines_lost"] == ["policy-1"] and summary["policy_versions"] == [STEPS + 1]
+    assert (Path(summary["run_dir"]) / "final_policy" / "model.safetensors").is_file()
+
+
+def test_a_run_whose_trainer_node_is_lost_stops_naming_the_rank_and_node_and_resumes(tmp_path, caplog):
+    """The gpu node (engine and trainer rank 0) is killed after step 4: the job stops within
+    ``trainer.call_timeout_s`` with one line naming the rank, its node and the resume command; the
+    checkpoints live in ``run.output_dir`` (here the head's disk, which every node shares; on a
+    cluster, the RayJob's PVC), so once a gpu node is back ``--resume auto`` finishes the run."""
+    import time
+
+    from ray_forge.core import checkpoint
+    from ray_forge.run.command_line import RunStopped
+
+    gpu = NodeSpec(GPU_NODE, num_cpus=2, labels={POOL_LABEL: "gpu"}, memory_bytes=10 * 10**9)
+    nodes = [NodeSpec(HEAD, num_cpus=1, memory_bytes=4 * 10**9), gpu,
+             NodeSpec(CPU_NODE, num_cpus=1, labels={POOL_LABEL: "cpu"}, memory_bytes=3 * 10**9)]
+    timeout_s = 60
+    job = ["policy.num_replicas=1", "env.num_actors=1", "run.checkpoint_every=2", f"trainer.call_timeout_s={timeout_s}",
+           "policy.call_timeout_s=60"]
+    with LocalCluster(nodes) as cluster:
+        with pytest.raises(RunStopped) as stopped:
+            _run(cluster, tmp_path, caplog, *job, "chaos.kill_nodes=[{holding: trainer-0, at_step: 4}]")
+        ended = time.time()
+        [killed] = [r.created for r in caplog.records if "chaos: killing node 1" in r.getMessage()]
+        message = str(stopped.value)
+        [run_dir] = [p.parent for p in tmp_path.glob("*/config.yaml")]
+        assert message.startswith("trainer-0.") and "the actor died" in message, message
+        assert f"on node {GPU_NODE} (" in message, message
+        assert message.endswith(f"resume with: python jobs/grpo.py --resume {run_dir}"), message
+        assert "\n" not in message
+        assert ended - killed < timeout_s + 30, (ended - killed, message)
+        assert checkpoint.step_of(checkpoint.latest(run_dir)) >= 2  # where the resumed run goes on from
+
+        cluster.add_node(gpu)  # capacity returns
+        caplog.clear()
+        summary, rows = _run(cluster, tmp_path, caplog, *job, "--resume", "auto")
+    assert summary["run_dir"] == str(run_dir)
+    assert "chaos: killing" not in caplog.text  # the kill of step 4 happened before the resumed step
+    _accounted(rows)

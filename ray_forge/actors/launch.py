@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import ray
@@ -43,12 +44,21 @@ class Actors:
     """The base model every engine, rank and the reference started from."""
     _all: list = field(default_factory=list)
 
-    def shutdown(self) -> None:
+    def by_name(self) -> dict[str, object]:
+        """Engines, env actors and trainer ranks by their names (``policy-1``)."""
+        return ({str(identity.policy(i)): p for i, p in enumerate(self.policies)}
+                | {str(identity.env(i)): e for i, e in enumerate(self.envs)}
+                | {str(identity.trainer(r)): rank for r, rank in enumerate(self.trainer.ranks)})
+
+    def shutdown(self, gone: Collection[ActorId] = ()) -> None:
         """Polite shutdown (vLLM engine cores, envs' sessions and sandboxes, process groups), then
-        kill, then free the pools."""
+        kill, then free the pools. ``gone``: members not asked (lost with their node, say), as each
+        would only time out."""
         polite = [(p.shutdown, "shutdown", identity.policy(i)) for i, p in enumerate(self.policies)]
         polite += [(e.close, "close", identity.env(i)) for i, e in enumerate(self.envs)]
         for method, name, actor in polite:
+            if actor in gone:
+                continue
             try:
                 get(method.remote(), timeout_s=30, what=name, actor=actor)
             except Exception as err:  # the actor may already be dead

@@ -10,10 +10,14 @@ import ray
 from ray_forge.core.algorithm import TOKEN_STATS as _TOKEN_WEIGHTED
 from ray_forge.core.episode import Sample
 from ray_forge.identity import trainer
-from ray_forge.remote import call, get
+from ray_forge.remote import RemoteCallError, call, get
 from ray_forge.weights import StoreSpec, SyncNotOpened, WeightSyncError
 
 log = logging.getLogger(__name__)
+
+
+WATCH_S = 5.0
+"""How often a run asks its trainer ranks whether they are alive."""
 
 
 class TrainerGroup:
@@ -22,12 +26,15 @@ class TrainerGroup:
     def __init__(self, ranks: list, timeout_s: float) -> None:
         self.ranks = ranks
         self.timeout_s = timeout_s
+        self.nodes: list[str] = []
+        """The node id of each rank (once ``setup`` ran): a dead rank's error names its node."""
 
     def setup(self) -> int:
         """Rendezvous at rank 0's address and shard the model; returns the parameter count."""
         addr, port = get(self.ranks[0].rendezvous_address.remote(), timeout_s=60, what="rendezvous_address",
                          actor=trainer(0))
         counts = get([r.setup.remote(addr, port) for r in self.ranks], timeout_s=self.timeout_s, what="trainer.setup")
+        self.nodes = get([r.node_id.remote() for r in self.ranks], timeout_s=60, what="trainer ranks' nodes")
         return counts[0]
 
     async def train_step(self, samples: list[Sample] | ray.ObjectRef,
@@ -66,8 +73,8 @@ class TrainerGroup:
         version, and the next sync tries again. A rank that dies is, and so is a publish no driver
         opened a sync for (a driver that did not run the two together)."""
         refs = [r.publish_weights.remote(spec, version) for r in self.ranks]
-        results = await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what="publish_weights", actor=trainer(i))
-                                          for i, ref in enumerate(refs)), return_exceptions=True)
+        results = await asyncio.gather(*(self._call(ref, "publish_weights", i) for i, ref in enumerate(refs)),
+                                       return_exceptions=True)
         seconds = []
         for rank, result in enumerate(results):
             cause = getattr(result, "cause", None)
@@ -92,10 +99,30 @@ class TrainerGroup:
         """Every rank restores its shards; returns the restored version."""
         return (await self._all("load_checkpoint", lambda rank: (folder,)))[0]
 
+    async def watch(self, every_s: float = WATCH_S) -> None:
+        """Until cancelled: each rank answers every ``every_s`` (after whatever it is running). A
+        dead rank raises, naming its node, so a run that is waiting for rollouts stops on a lost
+        trainer node at once, not when it next asks the trainer for something."""
+        while True:
+            await self._all("node_id", lambda rank: ())
+            await asyncio.sleep(every_s)
+
     async def _all(self, method: str, args_for_rank) -> list:
         refs = [getattr(r, method).remote(*args_for_rank(i)) for i, r in enumerate(self.ranks)]
-        return await asyncio.gather(*(call(ref, timeout_s=self.timeout_s, what=method, actor=trainer(i))
-                                      for i, ref in enumerate(refs)))
+        return await asyncio.gather(*(self._call(ref, method, i) for i, ref in enumerate(refs)))
+
+    async def _call(self, ref, method: str, rank: int):
+        """A rank's answer; a dead rank's error says where it ran, and whether that node is gone
+        (the run stops on it: the message is the job's last line)."""
+        try:
+            return await call(ref, timeout_s=self.timeout_s, what=method, actor=trainer(rank))
+        except RemoteCallError as err:
+            if not err.died or rank >= len(self.nodes):
+                raise
+            node = next((n for n in ray.nodes() if n["NodeID"] == self.nodes[rank]), {})
+            state = "up" if node.get("Alive") else "lost"
+            raise RemoteCallError(f"{err}, on node {node.get('NodeManagerAddress', '?')} ({self.nodes[rank][:8]}, "
+                                  f"{state})", err.what, died=True, actor=err.actor) from err
 
     def shutdown(self) -> None:
         try:

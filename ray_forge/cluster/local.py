@@ -56,6 +56,15 @@ def _node_args(node: NodeSpec) -> list[str]:
     return args
 
 
+_joined: "LocalCluster | None" = None
+"""The cluster this process joined with :meth:`LocalCluster.connect` (``chaos.kill_nodes`` kills its nodes)."""
+
+
+def joined() -> "LocalCluster | None":
+    """The local cluster this process started and joined, if it did (and has not stopped it)."""
+    return _joined
+
+
 class LocalCluster:
     """``with LocalCluster([NodeSpec("127.0.0.2"), NodeSpec("127.0.0.3")]) as c: c.connect()``"""
 
@@ -212,8 +221,18 @@ class LocalCluster:
         """``ray.init`` this process into the cluster and wait until every node is alive."""
         import ray
 
+        global _joined
         ray.init(address=self.address, **init_kwargs)
+        _joined = self
         self.wait_for_nodes(len(self.procs))
+
+    def node_at(self, ip: str) -> int:
+        """The index of the running node at ``ip`` (a node Ray reports by its address)."""
+        running = [i for i in self.alive() if self.nodes[i].ip == ip]
+        if not running:
+            raise ValueError(f"no running node of this cluster is at {ip} "
+                             f"(running: {[self.nodes[i].ip for i in self.alive()]})")
+        return running[-1]
 
     def wait_for_jobs(self, timeout_s: float = 240.0) -> None:
         """Until the head's job API answers (it needs ``dashboard=True``)."""
@@ -272,6 +291,9 @@ class LocalCluster:
                                            logs.stderr + status.stderr)
 
     def stop(self) -> None:
+        global _joined
+        if _joined is self:
+            _joined = None
         for proc in reversed(self.procs):
             try:
                 os.killpg(proc.pid, signal.SIGTERM)

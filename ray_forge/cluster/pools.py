@@ -111,6 +111,14 @@ class Pools:
         log.info("pool %s: %d bundles %s%s", pool, len(bundles), bundles, f" on {POOL_LABEL}={label}" if label else "")
         return group
 
+    def need(self, role: str, pool_labels: dict[str, str]) -> str:
+        """What one actor of ``role`` needs in order to be placed, in words (for a stop's message)."""
+        res = self.slots[role][0].resources
+        label = pool_labels.get(res.pool)
+        where = f"a live node labelled {POOL_LABEL}={label}" if label else "a live node"
+        return (f"pool {res.pool} lacks {_bundle(res)} for each on {where} "
+                f"(free in the cluster now: {ray.available_resources()})")
+
     def release(self) -> None:
         for group in self._groups:
             remove_placement_group(group)

@@ -54,6 +54,10 @@ def out_of_range(section: Any, prefix: str = ""):
         value, key = getattr(section, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
             yield from out_of_range(value, key + ".")
+        elif isinstance(value, tuple):  # a list of sections (chaos.kill_nodes)
+            for i, item in enumerate(value):
+                if is_dataclass(item):
+                    yield from out_of_range(item, f"{key}[{i}].")
         elif (bound := f.metadata.get("bound")) and isinstance(value, (int, float)) and not isinstance(value, bool) \
                 and not bound.holds(value):
             yield key, value, str(bound)
@@ -424,6 +428,20 @@ class RunConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeKill:
+    """A whole node lost on purpose, as a preempted pod is lost: its raylet, object store and
+    every worker on it killed at once (SIGKILL). Only on a local multi-node cluster that the job's
+    process started and joined (``ray_forge.cluster.local.LocalCluster``); never the head."""
+
+    holding: str = "env-0"
+    """The node is the one this actor runs on: env-0, policy-1, trainer-0."""
+    at_step: int = at_least(1, 1)
+    """Killed once the run has finished this step."""
+    replace_after_s: float = -1.0
+    """A node with the same labels and resources joins this long after the kill (negative: none)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ChaosConfig:
     """Faults injected on purpose, to show that a run survives them (off by default)."""
 
@@ -433,6 +451,8 @@ class ChaosConfig:
     """What may be killed: a role (env, policy) or one actor's name (policy-1)."""
     seed: int = 0
     """Seeds the choice of victim and the jitter of the interval."""
+    kill_nodes: tuple[NodeKill, ...] = ()
+    """Nodes lost on purpose, each once (``[{holding: env-0, at_step: 3, replace_after_s: 10}]``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,11 @@
-"""Faults on purpose: kill an env actor or a policy engine about every ``chaos.every_s`` seconds.
+"""Faults on purpose: kill an env actor or a policy engine about every ``chaos.every_s`` seconds,
+and whole nodes at chosen steps (``chaos.kill_nodes``).
 
-The kill is Ray's own (``ray.kill(..., no_restart=False)``): the actor's process dies at once,
-whatever it is doing, and Ray restarts it as it would after a crash or a lost node. The schedule
-(who, and the jitter of the interval) is drawn from ``chaos.seed``.
+An actor's kill is Ray's own (``ray.kill(..., no_restart=False)``): the actor's process dies at
+once, whatever it is doing, and Ray restarts it as it would after a crash. The schedule (who, and
+the jitter of the interval) is drawn from ``chaos.seed``. A node's kill is a lost pod: its raylet,
+object store and workers die together (``LocalCluster.kill_node``), and a node with the same labels
+may join later.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import random
 
 import ray
 
-from ray_forge.config.schema import ChaosConfig
+from ray_forge.cluster import local
+from ray_forge.config import ConfigError
+from ray_forge.config.schema import ChaosConfig, NodeKill
 from ray_forge.identity import ActorId
+from ray_forge.remote import get
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +60,8 @@ async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event) -> None:
         log.warning("chaos: killing %s", name)
         ray.kill(fleet.members[name], no_restart=False)
         fleet.chaos_kills.append(name)
-        await asyncio.sleep(1.0)  # Ray marks it restarting within this; never count a kill on a corpse
+        await asyncio.sleep(1.0)  # the process is gone within this: the fleet then waits for the new one
+        fleet.recover(name)
 
 
 async def _stopped(stop: asyncio.Event, wait_s: float) -> bool:
@@ -67,5 +74,48 @@ async def _stopped(stop: asyncio.Event, wait_s: float) -> bool:
 
 
 def _up(fleet, name: ActorId) -> bool:
-    state = fleet.ray_restarts(name)
-    return state is None or state[1]
+    return not fleet.down(name)
+
+
+class NodeChaos:
+    """``chaos.kill_nodes``: each node lost once the run has finished its step, and replaced
+    after its delay. Checked before the run starts: a name that is no actor, or a cluster this
+    process did not start, is a config error then, not a fault that never comes."""
+
+    def __init__(self, kills: tuple[NodeKill, ...], actors: dict[str, object]) -> None:
+        self.cluster = local.joined()
+        if self.cluster is None:
+            raise ConfigError("chaos.kill_nodes kills nodes of a local multi-node cluster that this process started "
+                              "and joined (ray_forge.cluster.local.LocalCluster.connect); this run joined another "
+                              "cluster, or an embedded one-node cluster")
+        for i, kill in enumerate(kills):
+            if kill.holding not in actors:
+                raise ConfigError(f"chaos.kill_nodes[{i}].holding={kill.holding!r} is no actor of this run "
+                                  f"(known: {', '.join(sorted(actors))})")
+        self.kills = sorted(kills, key=lambda kill: kill.at_step)
+        self.actors = actors
+
+    async def run(self, progress, stop: asyncio.Event) -> None:
+        """Until every kill is done or ``stop`` is set; ``progress.step`` is the last finished step.
+        A resumed run skips the kills of the steps it resumes after: they happened before."""
+        for kill in [kill for kill in self.kills if kill.at_step > progress.step]:
+            while progress.step < kill.at_step:
+                if await _stopped(stop, 0.2):
+                    return
+            try:
+                spec = await asyncio.to_thread(self._kill, kill)
+                if kill.replace_after_s < 0 or await _stopped(stop, kill.replace_after_s):
+                    continue
+                index = await asyncio.to_thread(self.cluster.add_node, spec)
+                log.warning("chaos: node %d joined at %s with the lost node's labels %s", index, spec.ip, spec.labels)
+            except Exception as err:  # the run goes on; the missing loss shows in its metrics
+                log.error("chaos: could not lose the node holding %s: %s", kill.holding, err)
+
+    def _kill(self, kill: NodeKill):
+        node_id = get(self.actors[kill.holding].node_id.remote(), timeout_s=60, what="node_id")
+        ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        index = self.cluster.node_at(ip)
+        if index == 0:
+            raise ValueError(f"{kill.holding} runs on the head node ({ip}), which holds the driver")
+        log.warning("chaos: killing node %d at %s (%s), which holds %s", index, ip, node_id[:8], kill.holding)
+        return self.cluster.kill_node(index)

@@ -6,6 +6,10 @@ driver's side: a batch of games that was in play on a dead actor is replayed fro
 live pair, so no game is lost and none counts twice (a batch's games exist only once it has
 finished); a dead member is waited for, checked for the current weights, and counted; weight
 syncs skip a member that is restarting and sync it when it is back.
+
+A member whose node was lost may find no room to restart in: after its role's timeout the run
+goes on without it (``lost``) and it rejoins whenever Ray places it again. Only when a role has
+no member up for ``cluster.placement_timeout_s`` does the run stop, naming what its pool lacks.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import ray
 
@@ -40,21 +45,28 @@ MAX_FAILED_SYNCS = 3
 """Consecutive weight syncs that may fail (engines keep their version) before the run stops."""
 
 MAX_EVAL_ATTEMPTS = 3
-"""Times an evaluation starts again after policy-0 or env-0 died under it."""
+"""Times an evaluation starts again after its engine or env actor died under it."""
 
-EVALUATOR, EVALUATED = identity.env(0), identity.policy(0)
-"""The env actor that runs evaluations, and the engine they and the sync check ask."""
+RETRY_S = 10.0
+"""How long one call to a restarting member waits before it is asked again."""
 
 CARRIED = ("actor_restarts", "replayed_games", "chaos_kills", "nodes_lost")
 """Counts since the run began, carried across a resume (``carry``)."""
 
 
 class Fleet:
-    def __init__(self, policies: list, envs: list, *, policy_timeout_s: float, env_timeout_s: float) -> None:
+    def __init__(self, policies: list, envs: list, *, policy_timeout_s: float, env_timeout_s: float,
+                 capacity_timeout_s: float = 300.0, needs: Callable[[Role], str] | None = None) -> None:
         self.members: dict[ActorId, object] = (dict(zip(identity.all_of(Role.POLICY, len(policies)), policies))
                                                | dict(zip(identity.all_of(Role.ENV, len(envs)), envs)))
         self.num = {Role.POLICY: len(policies), Role.ENV: len(envs)}
         self.timeout_s = {Role.POLICY: policy_timeout_s, Role.ENV: env_timeout_s}
+        self.capacity_timeout_s = capacity_timeout_s
+        """How long a role may have no member up before the run stops."""
+        self.needs = needs or (lambda role: "their pool lacks room")
+        """What one member of a role needs from its pool, in words (the stop's message says it)."""
+        self.down_at: dict[ActorId, float] = {}
+        """When each member that is down now was found dead."""
         self.pids: dict[ActorId, int] = {}
         self.version = 0
         """The policy version every engine should hold: the newest synced (a restarted one is brought to it)."""
@@ -68,6 +80,7 @@ class Fleet:
         self._recovering: dict[ActorId, asyncio.Task] = {}
         self.closed = False
         self.lost: set[ActorId] = set()
+        """Members not back within their role's timeout: the run goes on without them until they are."""
         self.restarts = 0
         self.replayed_games = 0
         self.chaos_kills: list[ActorId] = []
@@ -114,16 +127,21 @@ class Fleet:
         raise FleetError(f"a batch of {len(groups)} groups failed on {MAX_PLAY_ATTEMPTS} policy/env pairs")
 
     async def _pick(self, role: Role, start: int) -> ActorId:
-        """The first live member of ``role`` from index ``start`` on; waits if all are restarting."""
+        """The first live member of ``role`` from index ``start`` on; waits while all are down, for
+        at most ``capacity_timeout_s`` since the last of them went down."""
         while True:
             names = [ActorId(role, (start + k) % self.num[role]) for k in range(self.num[role])]
-            live = [n for n in names if n not in self._recovering and n not in self.lost]
+            live = [n for n in names if not self.down(n)]
             if live:
                 return live[0]
+            waited = time.monotonic() - max(self.down_at.get(n, 0.0) for n in names)
             waiting = [self._recovering[n] for n in names if n in self._recovering]
-            if not waiting:
-                raise FleetError(f"every {role} actor is gone for good: {', '.join(map(str, sorted(self.lost)))}")
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not waiting or waited > self.capacity_timeout_s:
+                raise FleetError(f"no {role} actor has been up for {waited:.0f}s (cluster.placement_timeout_s "
+                                 f"{self.capacity_timeout_s:.0f}s): Ray could not start {', '.join(map(str, names))} "
+                                 f"again; {self.needs(role)}")
+            await asyncio.wait(waiting, timeout=min(RETRY_S, self.capacity_timeout_s - waited + 0.1),
+                               return_when=asyncio.FIRST_COMPLETED)
 
     # -- restarts --------------------------------------------------------------------------
     def recover(self, name: ActorId) -> None:
@@ -132,6 +150,7 @@ class Fleet:
         the event loop (Python prints "Task was destroyed but it is pending" after the job's
         last line)."""
         if name not in self._recovering and not self.closed:
+            self.down_at[name] = time.monotonic()
             self._recovering[name] = asyncio.create_task(self._recover(name))
 
     async def close(self) -> None:
@@ -148,19 +167,22 @@ class Fleet:
         try:
             while True:
                 try:
-                    pid, version = await self._whoami(name)
+                    pid, version = await self._whoami(name, timeout_s=min(RETRY_S, self.timeout_s[role]))
                     break
                 except RemoteCallError as err:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline and name not in self.lost:
                         self.lost.add(name)
-                        log.error("%s did not come back within %.0fs (max_restarts used up?): %s", name,
-                                  self.timeout_s[role], err)
-                        return
-                    await asyncio.sleep(1.0)
-            if pid != self.pids.get(name):
-                self.restarts += 1
-                self.pids[name] = pid
-                log.warning("%s restarted (process %d)", name, pid)
+                        up = sum(not self.down(n) for n in identity.all_of(role, self.num[role]))
+                        log.error("%s is not back after %.0fs (its node lost and no room to place it again, or its "
+                                  "max_restarts used up): the run goes on with %d of %d %s actors, and it rejoins "
+                                  "once Ray starts it again (%s)", name, self.timeout_s[role], up, self.num[role],
+                                  role, err)
+                    await asyncio.sleep(min(1.0, RETRY_S))
+            if name in self.lost:
+                self.lost.discard(name)
+                log.warning("%s is back after %.0fs and rejoins the run", name, time.monotonic() - self.down_at[name])
+            self.down_at.pop(name, None)
+            self._seen(name, pid)
             if role is Role.POLICY:
                 await self._sync(name, version)
         finally:
@@ -188,29 +210,44 @@ class Fleet:
                 break
         self._note_serving()
 
-    async def _whoami(self, name: ActorId) -> tuple[int, int]:
-        return await call(self.members[name].whoami.remote(), timeout_s=self.timeout_s[name.role], what="whoami",
-                          actor=name)
+    def _seen(self, name: ActorId, pid: int) -> None:
+        """``name`` answered from process ``pid``: a new one means Ray restarted it."""
+        if pid != self.pids.get(name):
+            self.restarts += 1
+            self.pids[name] = pid
+            log.warning("%s restarted (process %d)", name, pid)
+
+    async def roll_call(self) -> None:
+        """Each member up says which process it is: a new one is a restart the fleet's calls did not
+        meet (a member that died idle and was back before its next call); a dead one is recovered."""
+        up = [name for name in self.members if not self.down(name)]
+        answers = await asyncio.gather(*(self._whoami(name, timeout_s=RETRY_S) for name in up), return_exceptions=True)
+        for name, answer in zip(up, answers):
+            if isinstance(answer, RemoteCallError):
+                if answer.died:
+                    self.recover(name)
+                continue  # slow to answer: asked again at the next roll call
+            if isinstance(answer, BaseException):
+                raise answer
+            self._seen(name, answer[0])
+
+    async def _whoami(self, name: ActorId, timeout_s: float | None = None) -> tuple[int, int]:
+        return await call(self.members[name].whoami.remote(), timeout_s=timeout_s or self.timeout_s[name.role],
+                          what="whoami", actor=name)
 
     async def settle(self) -> None:
-        """Return once no member is restarting (the run's end: every engine reports its version)."""
-        while self._recovering:
-            await asyncio.gather(*self._recovering.values(), return_exceptions=True)
-
-    def ray_restarts(self, name: ActorId) -> tuple[int, bool] | None:
-        """(times Ray restarted ``name``, whether it is alive now), from the GCS; None if unknown."""
-        return _actor_state(self.members[name])
+        """Return once no member is restarting, but for those already given up on (``lost``): the
+        run's end, where every engine up reports its version."""
+        while waits := [task for name, task in self._recovering.items() if name not in self.lost]:
+            await asyncio.wait(waits, timeout=1.0)
 
     def down(self, name: ActorId) -> bool:
         """Whether ``name`` is restarting or gone (it may not hold the fleet's version)."""
         return name in self._recovering or name in self.lost
 
-    async def ready(self, name: ActorId) -> None:
-        """Return once ``name`` is live and holds the fleet's version (for evaluations)."""
-        if name in self._recovering:
-            await self._recovering[name]
-        if name in self.lost:
-            raise FleetError(f"{name} is gone for good")
+    def engines_up(self) -> list[ActorId]:
+        """The engines up now (not restarting, not lost), policy-0 first."""
+        return [name for name in self.engines() if not self.down(name)]
 
     # -- weights ---------------------------------------------------------------------------
     def engines(self) -> list[ActorId]:
@@ -289,12 +326,11 @@ class Fleet:
         return answer
 
     def stats(self) -> dict[str, int]:
-        """Since the run began (``carried`` added): restarts as Ray's control store counts them (a
-        member killed while idle and back before its next call is one too), else as this fleet saw
-        them; games replayed; chaos kills. And the members down now."""
-        counted = [_actor_state(handle) for handle in self.members.values()]
-        restarts = sum(c[0] for c in counted) if None not in counted else self.restarts
-        since_start = dict(actor_restarts=restarts, replayed_games=self.replayed_games,
+        """Since the run began (``carried`` added): restarts (new processes, met by the fleet's calls
+        or its roll call: two of one member between two roll calls count once), games replayed,
+        chaos kills and nodes lost. And the members down now: restarting, and lost (not back
+        within their timeout)."""
+        since_start = dict(actor_restarts=self.restarts, replayed_games=self.replayed_games,
                            chaos_kills=len(self.chaos_kills), nodes_lost=self._count_lost_nodes())
         return {**{k: v + self.carried.get(k, 0) for k, v in since_start.items()},
                 "actors_restarting": len(self._recovering), "actors_lost": len(self.lost)}
@@ -302,7 +338,7 @@ class Fleet:
     def _count_lost_nodes(self) -> int:
         """Nodes of the cluster seen alive since the run began and dead now (a lost pod, a preempted
         VM): each is logged once, with where it was."""
-        for node in ray.nodes():
+        for node in ray.nodes() if ray.is_initialized() else ():
             node_id = node["NodeID"]
             if node["Alive"]:
                 self.nodes_seen.setdefault(node_id, f"{node['NodeManagerAddress']} "
@@ -315,46 +351,50 @@ class Fleet:
 
     # -- questions for policy-0 --------------------------------------------------------------
     async def evaluate(self, settings: RolloutSettings, final: bool = False) -> tuple[dict, dict]:
-        """The env's greedy evaluation of policy-0, run by env-0 (``final``: the end-of-run one):
-        its whole result, and its metrics-row fields. If either dies, again once it is back."""
+        """The env's greedy evaluation of the first engine up, run by the first env actor up
+        (policy-0 and env-0 unless they are down; ``final``: the end-of-run one): its whole result,
+        and its metrics-row fields. If either dies, again on the first ones up then."""
         for attempt in range(MAX_EVAL_ATTEMPTS):
-            await self.ready(EVALUATED)
-            await self.ready(EVALUATOR)
+            engine, evaluator = await self._pick(Role.POLICY, 0), await self._pick(Role.ENV, 0)
             try:
-                return await self._evaluate(settings, final)
+                return await self._evaluate(engine, evaluator, settings, final)
             except RemoteCallError as err:
-                if not err.died or err.actor not in (EVALUATED, EVALUATOR) or attempt == MAX_EVAL_ATTEMPTS - 1:
+                if not err.died or err.actor not in (engine, evaluator) or attempt == MAX_EVAL_ATTEMPTS - 1:
                     raise
-                log.warning("%s; evaluating again once it is back", err)
+                log.warning("%s; evaluating again", err)
                 self.recover(err.actor)
         raise AssertionError("unreachable")
 
-    async def _evaluate(self, settings: RolloutSettings, final: bool) -> tuple[dict, dict]:
+    async def _evaluate(self, engine: ActorId, evaluator: ActorId, settings: RolloutSettings,
+                        final: bool) -> tuple[dict, dict]:
         # No sync runs during an evaluation (the driver runs both in turn), so this is the version
         # evaluated; a restarted engine may be behind.
-        version = await self._version(EVALUATED)
+        version = await self._version(engine)
         if version != self.version:
             log.warning("%s holds weights version %d, not %d (it missed a sync): evaluating what it holds",
-                        EVALUATED, version, self.version)
+                        engine, version, self.version)
         timeout_s = self.timeout_s[Role.POLICY]
-        metrics, result = await call(self.members[EVALUATOR].evaluate.remote(self.members[EVALUATED], EVALUATED, final,
+        metrics, result = await call(self.members[evaluator].evaluate.remote(self.members[engine], engine, final,
                                                                             timeout_s, settings),
-                                     timeout_s=settings.play_limit_s, what="evaluate", actor=EVALUATOR)
+                                     timeout_s=settings.play_limit_s, what="evaluate", actor=evaluator)
         row = {f"eval_{name}": value for name, value in metrics.items()}
         return dict(result, policy_version=version), dict(row, eval_policy_version=version)
 
     async def check_sync(self, trainer, prompts: list[str], *, seed: int, tolerance: float) -> dict:
-        """policy-0 against ``trainer`` on ``prompts`` right after a sync (``sync_check.check``);
-        nothing (and a warning) when policy-0 is down or missed the sync: the next check compares again."""
+        """The first engine up (policy-0 unless it is down) against ``trainer`` on ``prompts`` right
+        after a sync (``sync_check.check``); nothing (and a warning) when it missed the sync, or no
+        engine is up: the next check compares again."""
+        up = self.engines_up()
+        engine = up[0] if up else identity.policy(0)
         try:
-            if self.down(EVALUATED) or await self._version(EVALUATED) != self.version:
+            if not up or await self._version(engine) != self.version:
                 log.warning("%s is restarting or missed the sync of version %d; the sync check waits for the "
-                            "next one", EVALUATED, self.version)
+                            "next one", engine, self.version)
                 return {}
-            return await sync_check.check(self.members[EVALUATED], EVALUATED, trainer, prompts, seed=seed,
+            return await sync_check.check(self.members[engine], engine, trainer, prompts, seed=seed,
                                           tolerance=tolerance, timeout_s=self.timeout_s[Role.POLICY])
         except RemoteCallError as err:
-            if not err.died or err.actor != EVALUATED:  # a dead trainer rank stops the run
+            if not err.died or err.actor != engine:  # a dead trainer rank stops the run
                 raise
             log.warning("%s; the sync check waits for the next one", err)
             self.recover(err.actor)
@@ -363,11 +403,3 @@ class Fleet:
     async def _version(self, name: ActorId) -> int:
         return await call(self.members[name].get_version.remote(), timeout_s=60, what="get_version", actor=name)
 
-
-def _actor_state(handle) -> tuple[int, bool] | None:
-    """(Ray's count of restarts, alive) of one actor, from the GCS (no dashboard needed); None if unknown."""
-    try:
-        info = ray._private.state.actors(actor_id=handle._actor_id.hex())
-        return int(info["NumRestarts"]), info["State"] == "ALIVE"
-    except Exception:  # a private API: fall back to the restarts the fleet saw itself
-        return None

@@ -11,16 +11,18 @@ from ray_forge.observe.metrics import read_metrics
 from ray_forge.remote import get
 from ray_forge.run.checkpoints import METRICS, Progress
 from ray_forge.run.directory import FINISHED_FILE, Run
-from ray_forge.run.fleet import EVALUATED, Fleet
+from ray_forge.run.fleet import Fleet
 
 
 def summarize(run: Run, env: EnvSetup, actors: Actors, fleet: Fleet, progress: Progress, final: dict,
                     final_row: dict) -> dict:
     """The summary of ``final`` (the final evaluation's whole result, ``final_row`` its metrics)."""
-    versions = get([p.get_version.remote() for p in actors.policies], timeout_s=60, what="policy versions")
-    route = get(actors.policies[0].weights_route.remote(), timeout_s=60, what="weights_route", actor=EVALUATED)
+    up = fleet.engines_up()  # an engine lost with its node, and not back, is named instead
+    versions = get([fleet.members[name].get_version.remote() for name in up], timeout_s=60, what="policy versions")
+    route = get(fleet.members[up[0]].weights_route.remote(), timeout_s=60, what="weights_route", actor=up[0])
     pictures = env.pictures(run.run_dir, read_metrics(run.run_dir / METRICS), final)
     summary = dict(final, **final_row, run_dir=str(run.run_dir), steps=run.config.run.steps, policy_versions=versions,
+                   engines_lost=[str(name) for name in sorted(fleet.lost)],
                    weight_transport=actors.store.spec.transport, weight_route=route,
                    pictures=[str(p) for p in pictures],
                    final_weights=f"moving average (trainer.ema_decay {run.config.trainer.ema_decay})"

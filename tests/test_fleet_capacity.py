@@ -1,0 +1,89 @@
+"""Members that do not come back (their node lost, and no room to start them elsewhere): the run goes
+on without them and takes them back when Ray starts them again; with no member of a role up for
+``cluster.placement_timeout_s`` it stops, naming what the role's pool lacks. Never an endless wait."""
+
+import asyncio
+import logging
+
+import pytest
+
+from ray_forge import identity
+from ray_forge.identity import Role
+from ray_forge.remote import RemoteCallError
+from ray_forge.run import fleet as fleet_module
+from ray_forge.run.fleet import Fleet, FleetError
+
+
+def _answering(fleet: Fleet, monkeypatch, pids: dict) -> None:
+    """Members answer ``whoami`` with ``pids[name]``; one whose pid is None does not answer in time."""
+    async def whoami(name, timeout_s=None):
+        if pids.get(name) is None:
+            await asyncio.sleep(timeout_s or 0.05)
+            raise RemoteCallError(f"{name}.whoami did not answer", "whoami", actor=name)
+        return pids[name], 0
+
+    monkeypatch.setattr(fleet, "_whoami", whoami)
+    monkeypatch.setattr(fleet_module, "RETRY_S", 0.05)
+
+
+def test_with_no_member_of_a_role_up_the_run_stops_within_the_placement_timeout_naming_what_is_missing(monkeypatch):
+    fleet = Fleet([object()], [object(), object()], policy_timeout_s=5, env_timeout_s=0.2, capacity_timeout_s=1.0,
+                  needs=lambda role: f"pool cpu lacks {{'CPU': 0.25}} for each {role} actor")
+    _answering(fleet, monkeypatch, {})
+
+    async def scenario() -> float:
+        for name in identity.all_of(Role.ENV, 2):
+            fleet.recover(name)
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(FleetError, match=r"no env actor has been up for 1s \(cluster.placement_timeout_s 1s\): "
+                                             r"Ray could not start env-0, env-1 again; pool cpu lacks \{'CPU': 0.25\} "
+                                             r"for each env actor"):
+            await fleet._pick(Role.ENV, 0)
+        waited = asyncio.get_running_loop().time() - start
+        await fleet.close()
+        return waited
+
+    assert asyncio.run(scenario()) < 10.0  # bounded: the timeout and one retry, not a hang
+    assert fleet.lost == set(identity.all_of(Role.ENV, 2))  # past their own timeout, before the run's
+
+
+def test_an_engine_not_back_in_time_is_left_out_and_rejoins_when_it_is(monkeypatch, caplog):
+    policy_0, policy_1 = identity.all_of(Role.POLICY, 2)
+    fleet = Fleet([object(), object()], [], policy_timeout_s=0.2, env_timeout_s=5)
+    pids = {policy_0: 100, policy_1: None}
+    fleet.pids = {policy_0: 100, policy_1: 101}
+    _answering(fleet, monkeypatch, pids)
+
+    async def scenario() -> None:
+        fleet.recover(policy_1)
+        while policy_1 not in fleet.lost:
+            await asyncio.sleep(0.05)
+        assert await fleet._pick(Role.POLICY, 1) == policy_0  # its games go to the engine left
+        assert fleet.engines_up() == [policy_0] and fleet.stats()["actors_lost"] == 1
+        await asyncio.wait_for(fleet.settle(), timeout=5)  # the run's end does not wait for a lost one
+        pids[policy_1] = 202  # Ray placed it again: a new process
+        while fleet.down(policy_1):
+            await asyncio.sleep(0.05)
+        await fleet.close()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+    assert "policy-1 is not back after 0s" in caplog.text
+    assert "the run goes on with 1 of 2 policy actors" in caplog.text
+    assert "policy-1 is back after" in caplog.text and "rejoins the run" in caplog.text
+    assert fleet.lost == set() and fleet.engines_up() == [policy_0, policy_1]
+    assert fleet.stats()["actor_restarts"] == 1 and fleet.pids[policy_1] == 202
+
+
+def test_the_roll_call_counts_a_member_that_restarted_while_idle(monkeypatch):
+    """No call of the fleet met its death: only its new process tells."""
+    env_0 = identity.env(0)
+    fleet = Fleet([], [object()], policy_timeout_s=5, env_timeout_s=5)
+    pids = {env_0: 300}
+    _answering(fleet, monkeypatch, pids)
+    asyncio.run(fleet.start())
+    asyncio.run(fleet.roll_call())
+    assert fleet.stats()["actor_restarts"] == 0
+    pids[env_0] = 301
+    asyncio.run(fleet.roll_call())
+    assert fleet.stats()["actor_restarts"] == 1
