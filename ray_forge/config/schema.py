@@ -433,8 +433,8 @@ class NodeKill:
     every worker on it killed at once (SIGKILL). Only on a local multi-node cluster that the job's
     process started and joined (``ray_forge.cluster.local.LocalCluster``); never the head."""
 
-    holding: str = "env-0"
-    """The node is the one this actor runs on: env-0, policy-1, trainer-0."""
+    holding: str
+    """The node is the one this actor runs on (required): env-0, policy-1, trainer-0."""
     at_step: int = at_least(1, 1)
     """Killed once the run has finished this step."""
     replace_after_s: float = -1.0
