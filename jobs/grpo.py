@@ -156,7 +156,7 @@ async def beside(guards: tuple[asyncio.Task, ...], work: Awaitable[T], what: str
         for guard in guards:
             if guard.done():
                 guard.result()  # re-raises its error
-        raise RuntimeError(f"a guard of the run stopped before {what}")
+        raise RuntimeError(f"the rollout loop or the trainer's watch stopped before {what}")
     return wait.result()
 
 
@@ -202,6 +202,9 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
                 await closing
         if closing is not None:
             await closing
+    except BaseException:
+        rollout.cancel()  # the run stops: its games in play are not waited for (a resumed run plays them)
+        raise
     finally:
         state.stop.set()
         guards[1].cancel()
@@ -209,7 +212,7 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
         if closing is not None and not closing.done():
             closing.cancel()
         try:
-            await asyncio.wait_for(asyncio.gather(rollout, *chaos),
+            await asyncio.wait_for(asyncio.gather(rollout, *chaos, return_exceptions=True),
                                    timeout=config.policy.call_timeout_s)
         except Exception as err:  # the rollout's own error was already raised by next_batch
             log.debug("rollout loop ended: %s", err)
@@ -278,10 +281,11 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> d
     finally:
         if metrics is not None:
             metrics.close()
+        down = {name for name in fleet.members if fleet.down(name)} if fleet is not None else set()
         if fleet is not None:
             await fleet.close()
         if actors is not None:
-            actors.shutdown(gone=fleet.lost if fleet is not None else ())
+            actors.shutdown(gone=down)  # a member restarting or lost would only time out
         if started_ray:
             ray.shutdown()
 

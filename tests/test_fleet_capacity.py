@@ -26,6 +26,15 @@ def _answering(fleet: Fleet, monkeypatch, pids: dict) -> None:
     monkeypatch.setattr(fleet_module, "RETRY_S", 0.05)
 
 
+async def _until(holds, timeout_s: float = 10.0) -> None:
+    """Until ``holds()``; fails past ``timeout_s`` rather than hang."""
+    async def poll() -> None:
+        while not holds():
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(poll(), timeout=timeout_s)
+
+
 def test_with_no_member_of_a_role_up_the_run_stops_within_the_placement_timeout_naming_what_is_missing(monkeypatch):
     fleet = Fleet([object()], [object(), object()], policy_timeout_s=5, env_timeout_s=0.2, capacity_timeout_s=1.0,
                   needs=lambda role: f"pool cpu lacks {{'CPU': 0.25}} for each {role} actor")
@@ -35,7 +44,7 @@ def test_with_no_member_of_a_role_up_the_run_stops_within_the_placement_timeout_
         for name in identity.all_of(Role.ENV, 2):
             fleet.recover(name)
         start = asyncio.get_running_loop().time()
-        with pytest.raises(FleetError, match=r"no env actor has been up for 1s \(cluster.placement_timeout_s 1s\): "
+        with pytest.raises(FleetError, match=r"no env actor has been up for \d+s \(cluster.placement_timeout_s 1s\): "
                                              r"Ray could not start env-0, env-1 again; pool cpu lacks \{'CPU': 0.25\} "
                                              r"for each env actor"):
             await fleet._pick(Role.ENV, 0)
@@ -56,14 +65,12 @@ def test_an_engine_not_back_in_time_is_left_out_and_rejoins_when_it_is(monkeypat
 
     async def scenario() -> None:
         fleet.recover(policy_1)
-        while policy_1 not in fleet.lost:
-            await asyncio.sleep(0.05)
+        await _until(lambda: policy_1 in fleet.lost)
         assert await fleet._pick(Role.POLICY, 1) == policy_0  # its games go to the engine left
         assert fleet.engines_up() == [policy_0] and fleet.stats()["actors_lost"] == 1
         await asyncio.wait_for(fleet.settle(), timeout=5)  # the run's end does not wait for a lost one
         pids[policy_1] = 202  # Ray placed it again: a new process
-        while fleet.down(policy_1):
-            await asyncio.sleep(0.05)
+        await _until(lambda: not fleet.down(policy_1))
         await fleet.close()
 
     with caplog.at_level(logging.WARNING):
@@ -87,3 +94,49 @@ def test_the_roll_call_counts_a_member_that_restarted_while_idle(monkeypatch):
     pids[env_0] = 301
     asyncio.run(fleet.roll_call())
     assert fleet.stats()["actor_restarts"] == 1
+
+
+def test_the_roll_call_leaves_out_a_member_that_cannot_answer(monkeypatch):
+    """A member waiting for a node to restart on does not answer: it gets no games until it does."""
+    env_0, env_1 = identity.all_of(Role.ENV, 2)
+    fleet = Fleet([], [object(), object()], policy_timeout_s=5, env_timeout_s=5)
+    pids = {env_0: 300, env_1: 400}
+    _answering(fleet, monkeypatch, pids)
+
+    async def scenario() -> None:
+        await fleet.start()
+        pids[env_1] = None
+        await fleet.roll_call()
+        assert fleet.down(env_1) and not fleet.down(env_0)
+        assert await fleet._pick(Role.ENV, 1) == env_0
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_that_dies_again_while_it_catches_up_is_waited_for_again(monkeypatch, caplog):
+    policy_0 = identity.policy(0)
+    fleet = Fleet([object()], [], policy_timeout_s=5, env_timeout_s=5)
+    pids = {policy_0: 500}
+    fleet.pids = {policy_0: 100}
+    _answering(fleet, monkeypatch, pids)
+    syncs = []
+
+    async def sync(name, version):
+        syncs.append(pids[name])
+        if len(syncs) == 1:
+            pids[name] = 600  # it died during its catch-up and Ray started it again
+            raise RemoteCallError(f"{name}.update_weights failed: the actor died", "update_weights", died=True,
+                                  actor=name)
+
+    monkeypatch.setattr(fleet, "_sync", sync)
+
+    async def scenario() -> None:
+        fleet.recover(policy_0)
+        await _until(lambda: not fleet.down(policy_0))
+        await fleet.close()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+    assert syncs == [500, 600] and fleet.pids[policy_0] == 600 and fleet.stats()["actor_restarts"] == 2
+    assert "while catching up; waiting for it again" in caplog.text

@@ -102,9 +102,14 @@ class TrainerGroup:
     async def watch(self, every_s: float = WATCH_S) -> None:
         """Until cancelled: each rank answers every ``every_s`` (after whatever it is running). A
         dead rank raises, naming its node, so a run that is waiting for rollouts stops on a lost
-        trainer node at once, not when it next asks the trainer for something."""
+        trainer node at once, not when it next asks the trainer for something. A rank slow to
+        answer (behind a long checkpoint) is not an error here: its own calls have timeouts."""
         while True:
-            await self._all("node_id", lambda rank: ())
+            try:
+                await self._all("node_id", lambda rank: ())
+            except RemoteCallError as err:
+                if err.died:
+                    raise
             await asyncio.sleep(every_s)
 
     async def _all(self, method: str, args_for_rank) -> list:

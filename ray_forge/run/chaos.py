@@ -113,7 +113,9 @@ class NodeChaos:
 
     def _kill(self, kill: NodeKill):
         node_id = get(self.actors[kill.holding].node_id.remote(), timeout_s=60, what="node_id")
-        ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), None)
+        if ip is None:
+            raise ValueError(f"{kill.holding} runs on node {node_id[:8]}, which Ray does not list as alive")
         index = self.cluster.node_at(ip)
         if index == 0:
             raise ValueError(f"{kill.holding} runs on the head node ({ip}), which holds the driver")

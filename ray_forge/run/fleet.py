@@ -134,7 +134,8 @@ class Fleet:
             live = [n for n in names if not self.down(n)]
             if live:
                 return live[0]
-            waited = time.monotonic() - max(self.down_at.get(n, 0.0) for n in names)
+            now = time.monotonic()
+            waited = now - max(self.down_at.get(n, now) for n in names)
             waiting = [self._recovering[n] for n in names if n in self._recovering]
             if not waiting or waited > self.capacity_timeout_s:
                 raise FleetError(f"no {role} actor has been up for {waited:.0f}s (cluster.placement_timeout_s "
@@ -162,31 +163,48 @@ class Fleet:
         await asyncio.gather(*waits, return_exceptions=True)
 
     async def _recover(self, name: ActorId) -> None:
-        role = name.role
-        deadline = time.monotonic() + self.timeout_s[role]
+        """Until ``name`` is back and, for an engine, on the fleet's version; an engine that dies
+        again while it catches up is waited for again."""
         try:
             while True:
+                pid, version = await self._back(name)
+                self._seen(name, pid)
+                if name.role is not Role.POLICY:
+                    return
                 try:
-                    pid, version = await self._whoami(name, timeout_s=min(RETRY_S, self.timeout_s[role]))
-                    break
+                    await self._sync(name, version)
+                    return
                 except RemoteCallError as err:
-                    if time.monotonic() > deadline and name not in self.lost:
-                        self.lost.add(name)
-                        up = sum(not self.down(n) for n in identity.all_of(role, self.num[role]))
-                        log.error("%s is not back after %.0fs (its node lost and no room to place it again, or its "
-                                  "max_restarts used up): the run goes on with %d of %d %s actors, and it rejoins "
-                                  "once Ray starts it again (%s)", name, self.timeout_s[role], up, self.num[role],
-                                  role, err)
-                    await asyncio.sleep(min(1.0, RETRY_S))
-            if name in self.lost:
-                self.lost.discard(name)
-                log.warning("%s is back after %.0fs and rejoins the run", name, time.monotonic() - self.down_at[name])
-            self.down_at.pop(name, None)
-            self._seen(name, pid)
-            if role is Role.POLICY:
-                await self._sync(name, version)
+                    if not err.died:  # up but slow: it serves the version it holds until the next sync
+                        log.warning("%s; it catches up at the next sync", err)
+                        return
+                    log.warning("%s while catching up; waiting for it again", err)
         finally:
             self._recovering.pop(name, None)
+            self.down_at.pop(name, None)
+
+    async def _back(self, name: ActorId) -> tuple[int, int]:
+        """``name``'s (process id, version) once it answers. Past its role's timeout it is lost: the
+        run goes on without it until it answers."""
+        role = name.role
+        deadline = time.monotonic() + self.timeout_s[role]
+        while True:
+            try:
+                answer = await self._whoami(name, timeout_s=min(RETRY_S, self.timeout_s[role]))
+                break
+            except RemoteCallError as err:
+                if time.monotonic() > deadline and name not in self.lost:
+                    self.lost.add(name)
+                    up = sum(not self.down(n) for n in identity.all_of(role, self.num[role]))
+                    log.error("%s is not back after %.0fs (its node lost and no room to place it again, or its "
+                              "max_restarts used up): the run goes on with %d of %d %s actors, and it rejoins "
+                              "once Ray starts it again (%s)", name, self.timeout_s[role], up, self.num[role],
+                              role, err)
+                await asyncio.sleep(min(1.0, RETRY_S))
+        if name in self.lost:
+            self.lost.discard(name)
+            log.warning("%s is back after %.0fs and rejoins the run", name, time.monotonic() - self.down_at[name])
+        return answer
 
     async def _sync(self, name: ActorId, version: int) -> None:
         """Bring a policy to the fleet's version (a sync may have passed it by while it restarted)."""
@@ -219,17 +237,19 @@ class Fleet:
 
     async def roll_call(self) -> None:
         """Each member up says which process it is: a new one is a restart the fleet's calls did not
-        meet (a member that died idle and was back before its next call); a dead one is recovered."""
-        up = [name for name in self.members if not self.down(name)]
-        answers = await asyncio.gather(*(self._whoami(name, timeout_s=RETRY_S) for name in up), return_exceptions=True)
-        for name, answer in zip(up, answers):
-            if isinstance(answer, RemoteCallError):
-                if answer.died:
-                    self.recover(name)
-                continue  # slow to answer: asked again at the next roll call
-            if isinstance(answer, BaseException):
-                raise answer
-            self._seen(name, answer[0])
+        meet (a member that died idle and was back before its next call). One that is dead, or
+        cannot answer in time (waiting for a node to restart on), is recovered: it is left out of
+        the games until it answers."""
+        async def ask(name: ActorId) -> None:
+            try:
+                pid, _ = await self._whoami(name, timeout_s=RETRY_S)
+            except RemoteCallError:
+                self.recover(name)
+                return
+            if not self.down(name):  # an answer from before a death that a call met meanwhile is old news
+                self._seen(name, pid)
+
+        await asyncio.gather(*(ask(name) for name in self.members if not self.down(name)))
 
     async def _whoami(self, name: ActorId, timeout_s: float | None = None) -> tuple[int, int]:
         return await call(self.members[name].whoami.remote(), timeout_s=timeout_s or self.timeout_s[name.role],

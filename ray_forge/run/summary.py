@@ -11,13 +11,15 @@ from ray_forge.observe.metrics import read_metrics
 from ray_forge.remote import get
 from ray_forge.run.checkpoints import METRICS, Progress
 from ray_forge.run.directory import FINISHED_FILE, Run
-from ray_forge.run.fleet import Fleet
+from ray_forge.run.fleet import Fleet, FleetError
 
 
 def summarize(run: Run, env: EnvSetup, actors: Actors, fleet: Fleet, progress: Progress, final: dict,
                     final_row: dict) -> dict:
     """The summary of ``final`` (the final evaluation's whole result, ``final_row`` its metrics)."""
     up = fleet.engines_up()  # an engine lost with its node, and not back, is named instead
+    if not up:
+        raise FleetError(f"no engine is up at the run's end (lost: {', '.join(map(str, sorted(fleet.lost)))})")
     versions = get([fleet.members[name].get_version.remote() for name in up], timeout_s=60, what="policy versions")
     route = get(fleet.members[up[0]].weights_route.remote(), timeout_s=60, what="weights_route", actor=up[0])
     pictures = env.pictures(run.run_dir, read_metrics(run.run_dir / METRICS), final)
