@@ -128,6 +128,7 @@ def test_a_run_whose_trainer_node_is_lost_stops_naming_the_rank_and_node_and_res
         assert message.endswith(f"resume with: python jobs/grpo.py --resume {run_dir}"), message
         assert "\n" not in message
         assert ended - killed < timeout_s + 30, (ended - killed, message)
+        print(f"stopped {ended - killed:.0f}s after the kill: {message}")  # shown by pytest -rP
         assert checkpoint.step_of(checkpoint.latest(run_dir)) >= 2  # where the resumed run goes on from
 
         cluster.add_node(gpu)  # capacity returns
