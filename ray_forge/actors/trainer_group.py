@@ -117,17 +117,18 @@ class TrainerGroup:
         return await asyncio.gather(*(self._call(ref, method, i) for i, ref in enumerate(refs)))
 
     async def _call(self, ref, method: str, rank: int):
-        """A rank's answer; a dead rank's error says where it ran, and whether that node is gone
-        (the run stops on it: the message is the job's last line)."""
+        """A rank's answer; a dead rank's error says which node it ran on, and that the node is lost
+        once Ray has declared it dead (the run stops on it: the message is the job's last line)."""
         try:
             return await call(ref, timeout_s=self.timeout_s, what=method, actor=trainer(rank))
         except RemoteCallError as err:
             if not err.died or rank >= len(self.nodes):
                 raise
             node = next((n for n in ray.nodes() if n["NodeID"] == self.nodes[rank]), {})
-            state = "up" if node.get("Alive") else "lost"
-            raise RemoteCallError(f"{err}, on node {node.get('NodeManagerAddress', '?')} ({self.nodes[rank][:8]}, "
-                                  f"{state})", err.what, died=True, actor=err.actor) from err
+            # Ray may not have declared a lost node dead yet when the rank's death reaches here.
+            lost = "" if node.get("Alive", True) else ", lost"
+            where = f"{node.get('NodeManagerAddress', '?')} ({self.nodes[rank][:8]}{lost})"
+            raise RemoteCallError(f"{err}, on node {where}", err.what, died=True, actor=err.actor) from err
 
     def shutdown(self) -> None:
         try:
