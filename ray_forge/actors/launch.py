@@ -142,7 +142,7 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
     num_params = trainer.setup()
     policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=config.policy.call_timeout_s,
                        what="policies")
-    trainer_nodes = get([r.node_id.remote() for r in ranks], timeout_s=60, what="trainer ranks")
+    trainer_nodes = trainer.nodes
     transport = resolve_transport(config.weights.transport, trainer_nodes, policy_nodes)
     store = WeightStore.create(store_spec(config, store_name, transport))
     actors = Actors(policies, envs, buffer, trainer, reference, store, pools, model_dir, handles)

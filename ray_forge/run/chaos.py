@@ -49,8 +49,8 @@ async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event) -> None:
             if await _stopped(stop, 0.5):
                 return
         name = rng.choice(allowed)
-        while not _up(fleet, name):
-            up = [n for n in allowed if _up(fleet, n)]
+        while fleet.down(name):
+            up = [n for n in allowed if not fleet.down(n)]
             if up:
                 name = rng.choice(up)
                 break
@@ -71,10 +71,6 @@ async def _stopped(stop: asyncio.Event, wait_s: float) -> bool:
         return True
     except asyncio.TimeoutError:
         return False
-
-
-def _up(fleet, name: ActorId) -> bool:
-    return not fleet.down(name)
 
 
 class NodeChaos:
