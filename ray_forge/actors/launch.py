@@ -120,8 +120,8 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
                        model_dir=model_dir, action_words=action_words, seed=config.run.seed + i, store_name=store_name)
                 for i, slot in enumerate(slots["policy"])]
     handles += policies
-    allowed = get(policies[0].get_allowed_token_ids.remote(), timeout_s=config.policy.call_timeout_s,
-                  what="get_allowed_token_ids (vLLM engine start)", actor=identity.policy(0))
+    allowed = get(policies[0].get_allowed_token_ids.remote(), timeout_s=config.policy.start_timeout_s,
+                  what="get_allowed_token_ids (vLLM engine start, policy.start_timeout_s)", actor=identity.policy(0))
     if action_words and config.policy.constrain_to_actions and allowed is None:
         raise multi_token_actions(action_words)
     ranks = start_trainer_ranks(config.trainer, slots["trainer"], model_dir, config.run.steps, grpo=config.grpo,
@@ -140,8 +140,9 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
     handles.append(buffer)
     trainer = TrainerGroup(ranks, config.trainer.call_timeout_s)
     num_params = trainer.setup()
-    policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=config.policy.call_timeout_s,
-                       what="policies")
+    # The other engines may still be starting: each answers once its constructor is done.
+    policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=config.policy.start_timeout_s,
+                       what="policies (vLLM engine start, policy.start_timeout_s)")
     trainer_nodes = trainer.nodes
     transport = resolve_transport(config.weights.transport, trainer_nodes, policy_nodes)
     store = WeightStore.create(store_spec(config, store_name, transport))

@@ -196,7 +196,12 @@ class PolicyConfig:
     so ``resources.num_gpus`` must equal it; on CPU each is bound to its own cores of the bundle
     (``resources.num_cpus`` at least this)."""
     call_timeout_s: float = positive(300.0)
-    """Longest wait for one generate or weight-update call."""
+    """Longest wait for one generate or weight-update call, and for a restarted engine to be back
+    before the run goes on without it (it rejoins if it comes back later)."""
+    start_timeout_s: float = positive(600.0)
+    """Longest wait for the engines to start at the run's start (import vLLM, load the model, one
+    warm-up answer): on a busy CPU machine that alone took over a minute, on a GPU a large model's
+    load and graph capture take minutes. Kept apart from ``call_timeout_s``, which bounds calls."""
     max_restarts: int = at_least(0, 20)
     """Times Ray restarts a dead engine (over the whole run). A restarted engine loads the current
     policy version before it serves, and the games it was playing are replayed on a live one."""
