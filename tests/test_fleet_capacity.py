@@ -68,6 +68,7 @@ def test_an_engine_not_back_in_time_is_left_out_and_rejoins_when_it_is(monkeypat
         await _until(lambda: policy_1 in fleet.lost)
         assert await fleet._pick(Role.POLICY, 1) == policy_0  # its games go to the engine left
         assert fleet.engines_up() == [policy_0] and fleet.stats()["actors_lost"] == 1
+        assert fleet.stats()["actors_restarting"] == 0  # given up on (still waited for): lost, not also restarting
         await asyncio.wait_for(fleet.settle(), timeout=5)  # the run's end does not wait for a lost one
         pids[policy_1] = 202  # Ray placed it again: a new process
         await _until(lambda: not fleet.down(policy_1))

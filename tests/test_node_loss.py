@@ -93,7 +93,10 @@ def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp
     _accounted(rows)
     last = rows[-1]
     # Down at the last step: restarting, or already left out (the run may end before its 60 s pass).
-    assert last["nodes_lost"] == 1 and last["actors_restarting"] + last["actors_lost"] == 1, last
+    assert last["actors_restarting"] + last["actors_lost"] == 1, last
+    # Ray declares the node dead by missed heartbeats, which on a busy machine can come after the
+    # last step; the run's end waits the engine's 60 s out, so its summary shows the loss.
+    assert summary["nodes_lost"] == 1 and summary["actors_lost"] == 1 and summary["actors_restarting"] == 0, summary
     assert "policy-1 is not back after 60s" in caplog.text  # by the run's end, which waited for no more
     assert "the run goes on with 1 of 2 policy actors" in caplog.text
     assert summary["engines_lost"] == ["policy-1"] and summary["policy_versions"] == [STEPS + 1]

@@ -353,7 +353,7 @@ class Fleet:
         since_start = dict(actor_restarts=self.restarts, replayed_games=self.replayed_games,
                            chaos_kills=len(self.chaos_kills), nodes_lost=self._count_lost_nodes())
         return {**{k: v + self.carried.get(k, 0) for k, v in since_start.items()},
-                "actors_restarting": len(self._recovering), "actors_lost": len(self.lost)}
+                "actors_restarting": len(self._recovering.keys() - self.lost), "actors_lost": len(self.lost)}
 
     def _count_lost_nodes(self) -> int:
         """Nodes of the cluster seen alive since the run began and dead now (a lost pod, a preempted

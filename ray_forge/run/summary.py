@@ -23,7 +23,8 @@ def summarize(run: Run, env: EnvSetup, actors: Actors, fleet: Fleet, progress: P
     versions = get([fleet.members[name].get_version.remote() for name in up], timeout_s=60, what="policy versions")
     route = get(fleet.members[up[0]].weights_route.remote(), timeout_s=60, what="weights_route", actor=up[0])
     pictures = env.pictures(run.run_dir, read_metrics(run.run_dir / METRICS), final)
-    summary = dict(final, **final_row, run_dir=str(run.run_dir), steps=run.config.run.steps, policy_versions=versions,
+    # The fleet's counters at the end (after settle): a node Ray declared dead after the last step shows here.
+    summary = dict(final, **final_row, **fleet.stats(), run_dir=str(run.run_dir), steps=run.config.run.steps, policy_versions=versions,
                    engines_lost=[str(name) for name in sorted(fleet.lost)],
                    weight_transport=actors.store.spec.transport, weight_route=route,
                    pictures=[str(p) for p in pictures],
