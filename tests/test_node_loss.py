@@ -2,6 +2,7 @@
 once (``chaos.kill_nodes``, by ``LocalCluster.kill_node``), with or without a replacement node
 with the same labels joining after it."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,27 @@ def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp
     assert (Path(summary["run_dir"]) / "final_policy" / "model.safetensors").is_file()
 
 
+def test_an_engine_whose_node_is_lost_and_replaced_comes_back_and_syncs(tmp_path, caplog):
+    """As above, but a node with the lost one's labels joins 10 s later: Ray starts policy-1 on it,
+    the engine loads the newest weights from the store, the fleet brings it to its version, and
+    the run ends with both engines on the final weights and none lost."""
+    nodes = [NodeSpec(HEAD, num_cpus=2, labels={POOL_LABEL: "cpu"}, memory_bytes=8 * 10**9),
+             NodeSpec(GPU_NODE, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9),
+             NodeSpec(GPU_NODE_2, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9)]
+    with LocalCluster(nodes) as cluster:
+        summary, rows = _run(cluster, tmp_path, caplog, "policy.num_replicas=2", "policy.resources.num_cpus=1",
+                             "trainer.resources.pool=cpu", "env.num_actors=1", "policy.call_timeout_s=300",
+                             "chaos.kill_nodes=[{holding: policy-1, at_step: 3, replace_after_s: 10}]")
+    _accounted(rows)
+    [killed_ip] = re.findall(r"chaos: killing node \d at (\S+) ", caplog.text)  # whichever gpu node held it
+    assert killed_ip in (GPU_NODE, GPU_NODE_2) and f"chaos: node 3 joined at {killed_ip}" in caplog.text
+    assert "policy-1 restarted" in caplog.text  # met by the fleet: a new process, on the new node
+    # The run's end waits for it (its 300 s are not up): back, synced, and not left out.
+    assert summary["nodes_lost"] == 1 and summary["actor_restarts"] >= 1, summary
+    assert summary["actors_lost"] == 0 and summary["actors_restarting"] == 0, summary
+    assert summary["engines_lost"] == [] and summary["policy_versions"] == [STEPS + 1, STEPS + 1], summary
+
+
 def test_a_run_whose_trainer_node_is_lost_stops_naming_the_rank_and_node_and_resumes(tmp_path, caplog):
     """The gpu node (engine and trainer rank 0) is killed after step 4: the job stops within
     ``trainer.call_timeout_s`` with one line naming the rank, its node and the resume command; the
@@ -127,7 +149,7 @@ def test_a_run_whose_trainer_node_is_lost_stops_naming_the_rank_and_node_and_res
         message = str(stopped.value)
         [run_dir] = [p.parent for p in tmp_path.glob("*/config.yaml")]
         assert message.startswith("trainer-0.") and "the actor died" in message, message
-        assert f"on node {GPU_NODE} (" in message, message
+        assert f"on node {GPU_NODE} (" in message and ", lost" in message, message  # its raylet is gone
         assert message.endswith(f"resume with: python jobs/grpo.py --resume {run_dir}"), message
         assert "\n" not in message
         assert ended - killed < timeout_s + 30, (ended - killed, message)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import ray
 
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 
 WATCH_S = 5.0
 """How often a run asks its trainer ranks whether they are alive."""
+RAYLET_PROBE_S = 2.0
+"""How long a dead rank's raylet is given to take a connection before its node is called lost."""
 
 
 class TrainerGroup:
@@ -125,9 +128,8 @@ class TrainerGroup:
             if not err.died or rank >= len(self.nodes):
                 raise
             node = next((n for n in ray.nodes() if n["NodeID"] == self.nodes[rank]), {})
-            # Ray may not have declared a lost node dead yet when the rank's death reaches here.
-            lost = "" if node.get("Alive", True) else ", lost"
-            where = f"{node.get('NodeManagerAddress', '?')} ({self.nodes[rank][:8]}{lost})"
+            state = await asyncio.to_thread(_node_state, node)
+            where = f"{node.get('NodeManagerAddress', '?')} ({self.nodes[rank][:8]}{state})"
             raise RemoteCallError(f"{err}, on node {where}", err.what, died=True, actor=err.actor) from err
 
     def shutdown(self) -> None:
@@ -135,6 +137,21 @@ class TrainerGroup:
             get([r.shutdown.remote() for r in self.ranks], timeout_s=30, what="trainer.shutdown")
         except Exception:  # a dead rank cannot be shut down politely; the actor is killed anyway
             pass
+
+
+def _node_state(node: dict, timeout_s: float = RAYLET_PROBE_S) -> str:
+    """", lost" if Ray has declared ``node`` dead, or if its raylet takes no connection: Ray
+    declares a node dead only after missed heartbeats (about 15 s), and a rank's death reaches the
+    run sooner. A rank that died alone leaves its raylet answering: then nothing is added."""
+    if not node:
+        return ""
+    if not node.get("Alive", True):
+        return ", lost"
+    try:
+        socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=timeout_s).close()
+    except OSError:
+        return ", lost: its raylet takes no connection"
+    return ""
 
 
 def combine_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
