@@ -18,6 +18,11 @@ HEAD = "127.0.0.2"
 
 
 GPU_NODE, CPU_NODE, GPU_NODE_2 = "127.0.0.3", "127.0.0.4", "127.0.0.5"
+# Head labelled cpu (the driver, trainer, env actor, buffer); two gpu nodes that fit one engine each.
+TWO_ENGINE_NODES = [NodeSpec(HEAD, num_cpus=2, labels={POOL_LABEL: "cpu"}, memory_bytes=8 * 10**9),
+                    NodeSpec(GPU_NODE, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9),
+                    NodeSpec(GPU_NODE_2, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9)]
+TWO_ENGINES = ["policy.num_replicas=2", "policy.resources.num_cpus=1", "trainer.resources.pool=cpu", "env.num_actors=1"]
 STEPS = 10
 GAMES = 64
 JOB = [f"run.steps={STEPS}", "run.eval_every=5", "env.options.blackjack.mc_games=200", f"grpo.prompts_per_step={GAMES // 8}",
@@ -84,12 +89,8 @@ def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp
     engine each. policy-1's node is killed after step 3 and nothing replaces it: its games are
     replayed on policy-0, the run goes on with one engine, says so, and ends with every game
     accounted for; the lost engine is named in the summary and left out of the weight syncs."""
-    nodes = [NodeSpec(HEAD, num_cpus=2, labels={POOL_LABEL: "cpu"}, memory_bytes=8 * 10**9),
-             NodeSpec(GPU_NODE, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9),
-             NodeSpec(GPU_NODE_2, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9)]
-    with LocalCluster(nodes) as cluster:
-        summary, rows = _run(cluster, tmp_path, caplog, "policy.num_replicas=2", "policy.resources.num_cpus=1",
-                             "trainer.resources.pool=cpu", "env.num_actors=1", "policy.call_timeout_s=60",
+    with LocalCluster(TWO_ENGINE_NODES) as cluster:
+        summary, rows = _run(cluster, tmp_path, caplog, *TWO_ENGINES, "policy.call_timeout_s=60",
                              "chaos.kill_nodes=[{holding: policy-1, at_step: 3}]")
     _accounted(rows)
     last = rows[-1]
@@ -108,12 +109,8 @@ def test_an_engine_whose_node_is_lost_and_replaced_comes_back_and_syncs(tmp_path
     """As above, but a node with the lost one's labels joins 10 s later: Ray starts policy-1 on it,
     the engine loads the newest weights from the store, the fleet brings it to its version, and
     the run ends with both engines on the final weights and none lost."""
-    nodes = [NodeSpec(HEAD, num_cpus=2, labels={POOL_LABEL: "cpu"}, memory_bytes=8 * 10**9),
-             NodeSpec(GPU_NODE, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9),
-             NodeSpec(GPU_NODE_2, num_cpus=1, labels={POOL_LABEL: "gpu"}, memory_bytes=4 * 10**9)]
-    with LocalCluster(nodes) as cluster:
-        summary, rows = _run(cluster, tmp_path, caplog, "policy.num_replicas=2", "policy.resources.num_cpus=1",
-                             "trainer.resources.pool=cpu", "env.num_actors=1", "policy.call_timeout_s=300",
+    with LocalCluster(TWO_ENGINE_NODES) as cluster:
+        summary, rows = _run(cluster, tmp_path, caplog, *TWO_ENGINES, "policy.call_timeout_s=300",
                              "chaos.kill_nodes=[{holding: policy-1, at_step: 3, replace_after_s: 10}]")
     _accounted(rows)
     [killed_ip] = re.findall(r"chaos: killing node \d at (\S+) ", caplog.text)  # whichever gpu node held it
