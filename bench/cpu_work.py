@@ -61,13 +61,15 @@ def measure(command: list[str], background_rate: float) -> tuple[float, float]:
     return cpu1 - cpu0 - background_rate * wall, wall
 
 
-def pipeline(steps: int, overrides: list[str]) -> list[str]:
-    out = tempfile.mkdtemp(prefix="cpu_work_")
+def pipeline(steps: int, overrides: list[str], out: str) -> list[str]:
+    # Without the checkpoints and sync checks along the way, which the reference does not do (the
+    # last step's checkpoint cancels out).
     return [sys.executable, "jobs/grpo.py", "--config", str(CONFIG), f"run.steps={steps}", "run.eval_every=0",
-            f"run.output_dir={out}", "run.progress=false", *overrides]
+            "run.checkpoint_every=0", "run.sync_check_every=0", f"run.output_dir={out}", "run.progress=false",
+            *overrides]
 
 
-def reference(steps: int, overrides: list[str]) -> list[str]:
+def reference(steps: int, overrides: list[str], out: str) -> list[str]:
     return [sys.executable, "-m", "bench.reference", "--steps", str(steps), "--eval-every", str(steps), *overrides]
 
 
@@ -76,7 +78,8 @@ def per_step(name: str, command, short: int, steps: int, overrides: list[str], r
     runs = {}
     for n in (short, steps):
         print(f"{name}: {n} steps ...", file=sys.stderr, flush=True)
-        runs[n] = measure(command(n, overrides), rate)
+        with tempfile.TemporaryDirectory(prefix="cpu_work_") as out:
+            runs[n] = measure(command(n, overrides, out), rate)
         print(f"{name}: {n} steps took {runs[n][1]:.1f} s, {runs[n][0]:.1f} CPU-s", file=sys.stderr, flush=True)
     cpu = (runs[steps][0] - runs[short][0]) / (steps - short)
     wall = (runs[steps][1] - runs[short][1]) / (steps - short)
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not 0 < args.short < args.steps:
         parser.error("--short must be between 0 and --steps")
-    cores = len(os.sched_getaffinity(0))
+    cores = os.cpu_count()  # /proc/stat counts every core's busy time
     rate = background()
     ref = per_step("reference", reference, args.short, args.steps, args.overrides, rate)
     demo = per_step("pipeline", pipeline, args.short, args.steps, args.overrides, rate)

@@ -23,5 +23,5 @@ def test_a_command_that_fails_is_an_error_with_its_output():
 def test_per_step_is_the_difference_of_two_run_lengths(monkeypatch):
     # 12 CPU-s and 30 s of start-up and shutdown, then 1.5 CPU-s and 0.75 s per step.
     monkeypatch.setattr(cpu_work, "measure", lambda command, rate: (12 + 1.5 * command[0], 30 + 0.75 * command[0]))
-    result = cpu_work.per_step("x", lambda n, overrides: [n], 10, 40, [], 0.0)
+    result = cpu_work.per_step("x", lambda n, overrides, out: [n], 10, 40, [], 0.0)
     assert result == dict(cpu_s_per_step=1.5, wall_s_per_step=0.75, cores_busy=2.0)

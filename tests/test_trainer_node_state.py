@@ -1,6 +1,6 @@
 """What a dead trainer rank's stop says of its node: lost once Ray has declared it dead, or as soon
-as its raylet takes no connection (Ray's declaration waits for missed heartbeats), and nothing when
-the raylet still answers (the rank died alone)."""
+as its raylet refuses connections (Ray's declaration waits for missed heartbeats); maybe lost when
+the raylet does not answer in time; nothing when it still answers (the rank died alone)."""
 
 import socket
 
@@ -20,10 +20,18 @@ def test_a_node_whose_raylet_answers_is_not_called_lost():
         assert _node_state(_node(server.getsockname()[1])) == ""
 
 
-def test_a_node_whose_raylet_takes_no_connection_is_lost_before_ray_says_so():
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
-    assert _node_state(_node(port)) == ", lost: its raylet takes no connection"  # the port is closed now
+def test_a_node_whose_raylet_refuses_connections_is_lost_before_ray_says_so():
+    with socket.socket() as bound:  # bound, not listening: a connection to it is refused, and no one else gets the port
+        bound.bind(("127.0.0.1", 0))
+        assert _node_state(_node(bound.getsockname()[1])) == ", lost: its raylet refuses connections"
+
+
+def test_a_raylet_that_does_not_answer_in_time_is_not_called_lost(monkeypatch):
+    def no_answer(address, timeout):
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", no_answer)
+    assert _node_state(_node(1), timeout_s=2.0) == ", its raylet does not answer within 2s: lost or overloaded"
 
 
 def test_a_node_ray_does_not_list_adds_nothing():

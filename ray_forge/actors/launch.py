@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -120,6 +121,7 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
                        model_dir=model_dir, action_words=action_words, seed=config.run.seed + i, store_name=store_name)
                 for i, slot in enumerate(slots["policy"])]
     handles += policies
+    started_by = time.monotonic() + config.policy.start_timeout_s  # one bound for all the engines' start
     allowed = get(policies[0].get_allowed_token_ids.remote(), timeout_s=config.policy.start_timeout_s,
                   what="get_allowed_token_ids (vLLM engine start, policy.start_timeout_s)", actor=identity.policy(0))
     if action_words and config.policy.constrain_to_actions and allowed is None:
@@ -141,7 +143,7 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
     trainer = TrainerGroup(ranks, config.trainer.call_timeout_s)
     num_params = trainer.setup()
     # The other engines may still be starting: each answers once its constructor is done.
-    policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=config.policy.start_timeout_s,
+    policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=max(1.0, started_by - time.monotonic()),
                        what="policies (vLLM engine start, policy.start_timeout_s)")
     trainer_nodes = trainer.nodes
     transport = resolve_transport(config.weights.transport, trainer_nodes, policy_nodes)

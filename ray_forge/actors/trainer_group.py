@@ -140,17 +140,20 @@ class TrainerGroup:
 
 
 def _node_state(node: dict, timeout_s: float = RAYLET_PROBE_S) -> str:
-    """", lost" if Ray has declared ``node`` dead, or if its raylet takes no connection: Ray
-    declares a node dead only after missed heartbeats (about 15 s), and a rank's death reaches the
-    run sooner. A rank that died alone leaves its raylet answering: then nothing is added."""
+    """", lost" if Ray has declared ``node`` dead or its raylet refuses connections (its process is
+    gone): Ray declares a node dead only after missed heartbeats (about 15 s), and a rank's death
+    reaches the run sooner. A raylet that does not answer in time may be lost or only overloaded,
+    and is said so. A rank that died alone leaves its raylet answering: then nothing is added."""
     if not node:
         return ""
     if not node.get("Alive", True):
         return ", lost"
     try:
         socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return ", lost: its raylet refuses connections"
     except OSError:
-        return ", lost: its raylet takes no connection"
+        return f", its raylet does not answer within {timeout_s:.0f}s: lost or overloaded"
     return ""
 
 

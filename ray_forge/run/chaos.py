@@ -93,15 +93,18 @@ class NodeChaos:
 
     async def run(self, progress, stop: asyncio.Event) -> None:
         """Until every kill is done or ``stop`` is set; ``progress.step`` is the last finished step.
-        A resumed run skips the kills of the steps it resumes after: they happened before."""
+        A resumed run skips the kills of the steps it resumes after: they happened before. A lost
+        node's replacement joins after its delay even if the run is ending meanwhile, as a cloud
+        replaces a pod whatever the job does: the run's end waits for the members it lost."""
         for kill in [kill for kill in self.kills if kill.at_step > progress.step]:
             while progress.step < kill.at_step:
                 if await _stopped(stop, 0.2):
                     return
             try:
                 spec = await asyncio.to_thread(self._kill, kill)
-                if kill.replace_after_s < 0 or await _stopped(stop, kill.replace_after_s):
+                if kill.replace_after_s < 0:
                     continue
+                await asyncio.sleep(kill.replace_after_s)
                 index = await asyncio.to_thread(self.cluster.add_node, spec)
                 log.warning("chaos: node %d joined at %s with the lost node's labels %s", index, spec.ip, spec.labels)
             except Exception as err:  # the run goes on; the missing loss shows in its metrics
