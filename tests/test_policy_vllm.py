@@ -268,6 +268,33 @@ def test_a_prompts_distribution_is_computed_once_per_weight_version(policy):
         policy.loop.run(lambda engine: policy.loop.label(version)).result(timeout=60)
 
 
+def test_greedy_answers_are_vllms_own_and_cost_no_request_where_a_rollout_asked(policy, monkeypatch):
+    """Drawing from distributions, a greedy answer (evaluation, the sync check) is the most likely
+    allowed token of the distribution the rollouts drew from: the token vLLM's greedy sampler
+    (temperature 0) picks, and no request of its own once that prompt was asked at this version."""
+    # Random token strings: a random model's answers to them differ more than to BlackJack's states.
+    generator = torch.Generator().manual_seed(4)
+    prompts = [tuple(torch.randint(3, len(policy.tokenizer), (int(n),), generator=generator).tolist())
+               for n in torch.randint(2, 12, (80,), generator=generator)]
+
+    def answers(greedy: bool, seed: int | None = None) -> tuple[int, list]:
+        first = next(policy.loop._ids)
+        turns = policy.generate_ids(prompts * (1 if greedy else 4), [1] * len(prompts) * (1 if greedy else 4),
+                                    greedy=greedy, seed=seed)
+        return next(policy.loop._ids) - first - 1, turns
+
+    answers(False, seed=9)  # a rollout's call: every prompt's distribution, at this version
+    made, greedy = answers(True)
+    assert made == 0
+    assert {t.versions() for t in greedy} == {(policy.version,)}
+    monkeypatch.setattr(policy, "draws", False)
+    made, engine_greedy = answers(True)
+    monkeypatch.undo()
+    assert made == len(set(prompts))  # vLLM's own greedy requests, one per prompt
+    assert [t.response_ids for t in greedy] == [t.response_ids for t in engine_greedy]
+    assert len({t.response_ids for t in greedy}) > 1, "the prompts should not all have one answer"
+
+
 def test_garbage_model_output_is_a_penalised_game(tiny_model_dir):
     """Unconstrained, a random model emits arbitrary words: games end with the penalty, nothing hangs."""
     engine = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=3, kv_cache_mb=64),

@@ -218,7 +218,7 @@ class VLLMPolicy:
         keys = [(tuple(p), m) for p, m in zip(prompts, max_tokens, strict=True)]
         counts = Counter(keys)
         unique = list(counts)
-        draws = self.draws and not greedy and all(m == 1 for _, m in unique)
+        draws = self.draws and all(m == 1 for _, m in unique)
 
         def constraint(budget: int) -> dict:
             if self.action_choice is not None:
@@ -228,7 +228,8 @@ class VLLMPolicy:
         params = [
             SamplingParams(
                 n=1 if greedy or draws else counts[key],
-                temperature=0.0 if greedy else self.config.temperature,
+                # Greedy draws take the argmax of the same distribution the rollouts draw from.
+                temperature=0.0 if greedy and not draws else self.config.temperature,
                 # Drawing here needs the probability of every allowed token.
                 logprobs=len(self.allowed_ids) if draws else 0,
                 # Draws: the engine's own sample is not used, and the request may serve other calls.
@@ -255,7 +256,7 @@ class VLLMPolicy:
         for i, (key, request) in enumerate(zip(unique, outputs, strict=True)):
             if draws:
                 pools[key] = self._draw(i, tuple(request.prompt_token_ids), request.outputs[0], counts[key],
-                                        None if seed is None else (seed + i) % 2**63)
+                                        None if seed is None else (seed + i) % 2**63, greedy)
             else:
                 pools[key] = [_answer(i, sample) for sample in request.outputs]
         chosen = [pools[k][0] for k in keys] if greedy else [pools[k].pop() for k in keys]
@@ -296,19 +297,25 @@ class VLLMPolicy:
             if len(self._known) < TEXT_CACHE:
                 self._known[key[0]] = future
 
-    def _draw(self, index: int, prompt_ids: tuple[int, ...], sample, n: int, seed: int | None) -> list[Answer]:
+    def _draw(self, index: int, prompt_ids: tuple[int, ...], sample, n: int, seed: int | None,
+              greedy: bool = False) -> list[Answer]:
         """``n`` one-token answers drawn from the distribution the engine computed for this prompt
         (its processed logprobs: after the action restriction and the temperature), each with the
-        engine's logprob of the token drawn, as vLLM's sampler would have returned them."""
+        engine's logprob of the token drawn, as vLLM's sampler would have returned them. ``greedy``:
+        its most likely token (the lowest id of a tie, as vLLM's and the trainer's argmax), so an
+        evaluation or a sync check costs no request where a rollout has asked for that prompt."""
         [step] = sample.logprobs
         ids = sorted(t for t in step if t in self.allowed_ids)
         if len(ids) != len(self.allowed_ids):
             raise RuntimeError(f"the engine returned logprobs for {sorted(step)}, not for every allowed token "
                                f"{self.allowed_ids}: cannot draw from its distribution")
         logprobs = torch.tensor([step[t].logprob for t in ids], dtype=torch.float64)
-        generator = torch.Generator()
-        generator.manual_seed(seed) if seed is not None else generator.seed()
-        picks = torch.multinomial(logprobs.exp(), n, replacement=True, generator=generator).tolist()
+        if greedy:
+            picks = [int(torch.argmax(logprobs))] * n
+        else:
+            generator = torch.Generator()
+            generator.manual_seed(seed) if seed is not None else generator.seed()
+            picks = torch.multinomial(logprobs.exp(), n, replacement=True, generator=generator).tolist()
         [version] = token_versions(sample)
         answers = {k: (index, (ids[k],), (float(logprobs[k]),), (version,), self._answer_text(prompt_ids, ids[k]))
                    for k in set(picks)}

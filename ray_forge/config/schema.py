@@ -181,7 +181,8 @@ class PolicyConfig:
     ``constrain_to_actions``): ask the engine once per distinct prompt for its whole (processed)
     distribution over those tokens and draw the prompt's ``n`` samples from it in the actor,
     instead of ``n`` sequences through vLLM's sampler. The same distribution and the engine's own
-    logprobs, at one forward per distinct prompt. Ignored for longer completions."""
+    logprobs, at one forward per distinct prompt. Greedy answers (evaluation, the sync check) are
+    that distribution's most likely token, from the same request. Ignored for longer completions."""
     max_model_len: int = at_least(2, 4096)
     """Longest prompt plus completion, in tokens, an engine serves."""
     kv_cache_mb: int = at_least(1, 4096)
