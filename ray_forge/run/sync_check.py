@@ -22,10 +22,13 @@ from ray_forge.remote import call
 log = logging.getLogger(__name__)
 
 
-def compare(greedy: list[Turn], greedy_scored: list[Scored], sampled: list[Turn],
-            sampled_scored: list[Scored]) -> dict[str, float]:
-    """``sync_greedy_agreement`` (share of prompts) and ``sync_logprob_max_diff`` (over every sampled token)."""
-    agree = sum(turn.response_ids[:1] == (score.argmax,) for turn, score in zip(greedy, greedy_scored, strict=True))
+def compare(greedy: list[Turn], sampled: list[Turn], sampled_scored: list[Scored]) -> dict[str, float]:
+    """``sync_greedy_agreement`` (share of prompts) and ``sync_logprob_max_diff`` (over every sampled
+    token). ``greedy`` and ``sampled`` answer the same prompts in order: the trainer's argmax at the
+    first response position depends on the prompt alone, so the sampled answers' scores serve both."""
+    if [t.prompt_ids for t in greedy] != [t.prompt_ids for t in sampled]:
+        raise ValueError("the greedy and the sampled answers of a sync check must be of the same prompts, in order")
+    agree = sum(turn.response_ids[:1] == (score.argmax,) for turn, score in zip(greedy, sampled_scored, strict=True))
     diffs = [abs(engine - trainer)
              for turn, score in zip(sampled, sampled_scored, strict=True)
              for engine, trainer in zip(turn.logprobs, score.logprobs, strict=True)]
@@ -40,8 +43,7 @@ async def check(policy, name: ActorId, trainer, prompts: list[str], *, seed: int
     greedy, sampled = await asyncio.gather(
         call(policy.generate.remote(prompts, True, None, -1), timeout_s=timeout_s, what="generate", actor=name),
         call(policy.generate.remote(prompts, False, seed, -1), timeout_s=timeout_s, what="generate", actor=name))
-    scored = await trainer.score([(t.prompt_ids, t.response_ids) for t in [*greedy, *sampled]])
-    row = compare(greedy, scored[:len(greedy)], sampled, scored[len(greedy):])
+    row = compare(greedy, sampled, await trainer.score([(t.prompt_ids, t.response_ids) for t in sampled]))
     if row["sync_greedy_agreement"] < 1.0 or row["sync_logprob_max_diff"] > tolerance:
         log.error("%s disagrees with the trainer after the sync: greedy agreement %.4f, largest logprob "
                   "difference %.3g (tolerance %.3g); the engine is not sampling from the trained policy",
