@@ -12,7 +12,10 @@ difference in steps: start-up, the final evaluation and shutdown cancel out. The
 CPU time is read from ``/proc/stat`` around each run, less what the machine spent idle-busy in
 the seconds before (run it on an otherwise quiet machine).
 
-    python -m bench.cpu_work [--steps 40] [--short 10] [overrides ...]
+    python -m bench.cpu_work [--steps 40] [--short 10] [--with-checks] [overrides ...]
+
+``--with-checks`` also runs the pipeline as `make demo` does, with its evaluation, checkpoint and
+sync check every 10 steps, and reports what they add against the pipeline without them.
 
 The last line printed is a JSON object.
 """
@@ -64,9 +67,13 @@ def measure(command: list[str], background_rate: float) -> tuple[float, float]:
 def pipeline(steps: int, overrides: list[str], out: str) -> list[str]:
     # Without the checkpoints and sync checks along the way, which the reference does not do (the
     # last step's checkpoint cancels out).
-    return [sys.executable, "jobs/grpo.py", "--config", str(CONFIG), f"run.steps={steps}", "run.eval_every=0",
-            "run.checkpoint_every=0", "run.sync_check_every=0", f"run.output_dir={out}", "run.progress=false",
-            *overrides]
+    return as_made(steps, ["run.eval_every=0", "run.checkpoint_every=0", "run.sync_check_every=0", *overrides], out)
+
+
+def as_made(steps: int, overrides: list[str], out: str) -> list[str]:
+    """The pipeline as `make demo` runs it: its evaluation, checkpoint and sync check every 10 steps."""
+    return [sys.executable, "jobs/grpo.py", "--config", str(CONFIG), f"run.steps={steps}", f"run.output_dir={out}",
+            "run.progress=false", *overrides]
 
 
 def reference(steps: int, overrides: list[str], out: str) -> list[str]:
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--short", type=int, default=10)
     parser.add_argument("--target", type=float, default=0.8, help="the time ratio to the reference asked for")
+    parser.add_argument("--with-checks", action="store_true",
+                        help="also run the pipeline with the demo's evaluations, checkpoints and sync checks")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for both, as jobs/grpo.py takes them")
     args = parser.parse_args(argv)
     if not 0 < args.short < args.steps:
@@ -107,6 +116,11 @@ def main(argv: list[str] | None = None) -> dict:
                   pipeline_floor_s_per_step=round(floor, 3),
                   floor_ratio=round(floor / ref["wall_s_per_step"], 2), target_ratio=args.target,
                   target_within_work=floor / ref["wall_s_per_step"] <= args.target)
+    if args.with_checks:
+        checked = per_step("pipeline with checks", as_made, args.short, args.steps, args.overrides, rate)
+        result.update(pipeline_with_checks=checked,
+                      checks_work_ratio=round(checked["cpu_s_per_step"] / demo["cpu_s_per_step"], 2),
+                      checks_time_ratio=round(checked["wall_s_per_step"] / demo["wall_s_per_step"], 2))
     print(json.dumps(result))
     return result
 

@@ -25,3 +25,11 @@ def test_per_step_is_the_difference_of_two_run_lengths(monkeypatch):
     monkeypatch.setattr(cpu_work, "measure", lambda command, rate: (12 + 1.5 * command[0], 30 + 0.75 * command[0]))
     result = cpu_work.per_step("x", lambda n, overrides, out: [n], 10, 40, [], 0.0)
     assert result == dict(cpu_s_per_step=1.5, wall_s_per_step=0.75, cores_busy=2.0)
+
+
+def test_the_pipeline_runs_without_the_demos_checks_and_with_them_as_made():
+    without = cpu_work.pipeline(40, ["grpo.samples_per_prompt=4"], "/tmp/x")
+    made = cpu_work.as_made(40, ["grpo.samples_per_prompt=4"], "/tmp/x")
+    checks = {"run.eval_every=0", "run.checkpoint_every=0", "run.sync_check_every=0"}
+    assert checks <= set(without) and not checks & set(made)
+    assert set(made) <= set(without) and "grpo.samples_per_prompt=4" in made and "run.steps=40" in made
