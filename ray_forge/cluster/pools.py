@@ -38,7 +38,7 @@ def connect(config: ClusterConfig, namespace: str = NAMESPACE) -> bool:
         ray.init(address=address, namespace=namespace, log_to_driver=True)
         log.info("joined Ray cluster at %s", address)
         return False
-    ray.init(
+    started = ray.init(
         num_cpus=config.num_cpus,
         num_gpus=None if config.num_gpus == "auto" else config.num_gpus,
         object_store_memory=config.object_store_memory_mb * 2**20,
@@ -47,7 +47,7 @@ def connect(config: ClusterConfig, namespace: str = NAMESPACE) -> bool:
         log_to_driver=True,
     )
     ctx = ray.get_runtime_context()
-    dashboard = getattr(ray._private.worker.global_worker.node, "address_info", {}).get("webui_url")
+    dashboard = started.dashboard_url  # empty without a dashboard
     log.info("started an embedded Ray cluster (%d CPUs, %d GPUs, node %s); dashboard: %s",
              config.num_cpus, int(ray.cluster_resources().get("GPU", 0)), ctx.get_node_id()[:8],
              dashboard and f"http://{dashboard}")
