@@ -77,3 +77,17 @@ def test_bf16_is_refused_without_the_instructions(monkeypatch):
         require_dtype("bfloat16", "cpu", "trainer.dtype")
     require_dtype("float32", "cpu", "trainer.dtype")  # fp32 is always fine
     require_dtype("bfloat16", "cuda", "trainer.dtype")
+
+
+def test_bf16_is_refused_where_the_kernel_denies_amx_state(monkeypatch):
+    """vLLM's bf16 attention uses AMX tiles where the CPU has them; a process the kernel has not
+    granted their state dies of SIGILL in the first forward, so the engine must not start."""
+    from ray_forge.models.devices import require_dtype
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"cpu_name": "spr", "amx_bf16": True, "amx_tile": True})
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: False)
+    with pytest.raises(ValueError, match=r"policy.dtype=bfloat16: this CPU has AMX tiles.*set policy.dtype=float32"):
+        require_dtype("bfloat16", "cpu", "policy.dtype")
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: True)
+    require_dtype("bfloat16", "cpu", "policy.dtype")
+

@@ -48,10 +48,17 @@ def use_sum_reductions(model: torch.nn.Module, device_type: str) -> None:
 
 def require_dtype(dtype: str, device_type: str, who: str) -> None:
     """bfloat16 on CPU needs the instructions for it (AVX512-BF16, or ARM's BF16); elsewhere vLLM's
-    CPU kernels refuse it or torch emulates it far slower. Refuse, saying what to set instead."""
+    CPU kernels refuse it or torch emulates it far slower. Refuse, saying what to set instead.
+
+    On a CPU with AMX tiles, vLLM's bf16 attention uses them, and Linux kills a process that
+    touches them without first asking the kernel for their state (SIGILL, the engine gone
+    without a word): ask here, in the process that will run the kernels, and refuse if denied."""
     if dtype != "bfloat16" or device_type != "cpu":
         return
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     if not (caps.get("avx512_bf16") or caps.get("amx_bf16") or caps.get("bf16")):
         raise ValueError(f"{who}=bfloat16 needs a GPU or a CPU with bfloat16 instructions (AVX512-BF16, AMX or "
                          f"ARM BF16); this CPU ({caps.get('cpu_name', 'unknown')}) has none: set {who}=float32")
+    if caps.get("amx_tile") and not torch.cpu._init_amx():
+        raise ValueError(f"{who}=bfloat16: this CPU has AMX tiles, which vLLM's bf16 kernels use, but the kernel "
+                         f"refused this process their state (arch_prctl ARCH_REQ_XCOMP_PERM); set {who}=float32")
