@@ -47,10 +47,10 @@ def connect(config: ClusterConfig, namespace: str = NAMESPACE) -> bool:
         log_to_driver=True,
     )
     ctx = ray.get_runtime_context()
-    dashboard = started.dashboard_url  # empty without a dashboard
+    dashboard = started.dashboard_url
     log.info("started an embedded Ray cluster (%d CPUs, %d GPUs, node %s); dashboard: %s",
              config.num_cpus, int(ray.cluster_resources().get("GPU", 0)), ctx.get_node_id()[:8],
-             dashboard and f"http://{dashboard}")
+             f"http://{dashboard}" if dashboard else "off (cluster.include_dashboard is false)")
     return True
 
 
