@@ -50,7 +50,9 @@ def connect(config: ClusterConfig, namespace: str = NAMESPACE) -> bool:
     dashboard = started.dashboard_url
     log.info("started an embedded Ray cluster (%d CPUs, %d GPUs, node %s); dashboard: %s",
              config.num_cpus, int(ray.cluster_resources().get("GPU", 0)), ctx.get_node_id()[:8],
-             f"http://{dashboard}" if dashboard else "off (cluster.include_dashboard is false)")
+             f"http://{dashboard}" if dashboard else
+             "not running (Ray's dashboard log says why)" if config.include_dashboard else
+             "off (cluster.include_dashboard is false)")
     return True
 
 
