@@ -63,6 +63,8 @@ async def call(ref: ray.ObjectRef, *, timeout_s: float, what: str, actor: ActorI
         raise RemoteCallError(f"{label} did not answer within {timeout_s:.0f}s", label, actor=actor) from None
     except ray.exceptions.RayActorError as err:
         raise _died(label, actor, err) from err
+    except ray.exceptions.TaskCancelledError:  # cancelled by the caller's side: its actor went down
+        raise RemoteCallError(f"{label} was cancelled: the actor is down", label, died=True, actor=actor) from None
     except ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, ActorRestarted):
             raise RemoteCallError(f"{label} failed: {err.cause}", label, died=True, actor=actor) from err

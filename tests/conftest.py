@@ -31,9 +31,8 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture
-def own_ray_cluster():
-    """For a test whose process joins a cluster of its own (``LocalCluster.connect``): a process
+def _without_session_ray():
+    """For tests whose process joins a cluster of their own (``LocalCluster.connect``): a process
     holds one Ray connection, so the session's cluster, if an earlier test started it, is shut
     down first and started again after (later tests get ``ray_cluster`` as it was)."""
     import ray
@@ -46,6 +45,10 @@ def own_ray_cluster():
         ray.shutdown()
     if had_session:
         _init_session_ray()
+
+
+own_ray_cluster = pytest.fixture(_without_session_ray)
+own_ray_cluster_for_module = pytest.fixture(scope="module")(_without_session_ray)
 
 
 @pytest.fixture(scope="session")

@@ -15,15 +15,20 @@ from ray_forge.run.fleet import Fleet, FleetError
 
 
 def _answering(fleet: Fleet, monkeypatch, pids: dict) -> None:
-    """Members answer ``whoami`` with ``pids[name]``; one whose pid is None does not answer in time."""
+    """Members answer ``whoami`` with ``pids[name]``; one whose pid is None does not answer in time.
+    Engines' nodes are made up: no node of them is lost (``nodes.lost`` answers for unknown ones)."""
     async def whoami(name, timeout_s=None):
         if pids.get(name) is None:
             await asyncio.sleep(timeout_s or 0.05)
             raise RemoteCallError(f"{name}.whoami did not answer", "whoami", actor=name)
         return pids[name], 0
 
+    async def node_of(name):
+        fleet.engine_nodes[name] = "node-of-" + str(name)
+
     monkeypatch.setattr(fleet, "_whoami", whoami)
-    monkeypatch.setattr(fleet_module, "RETRY_S", 0.05)
+    monkeypatch.setattr(fleet, "_note_node", node_of)
+    monkeypatch.setattr(fleet_module, "REJOIN_CHECK_S", 0.05)
 
 
 async def _until(holds, timeout_s: float = 10.0) -> None:
@@ -141,3 +146,28 @@ def test_an_engine_that_dies_again_while_it_catches_up_is_waited_for_again(monke
         asyncio.run(scenario())
     assert syncs == [500, 600] and fleet.pids[policy_0] == 600 and fleet.stats()["actor_restarts"] == 2
     assert "while catching up; waiting for it again" in caplog.text
+
+
+def test_a_member_that_is_down_is_asked_once_per_rejoin_check(monkeypatch):
+    """Its probe fails at once (Ray cannot reach it): the next one waits for the next check, so the
+    driver's calls to it stay at one per ``REJOIN_CHECK_S``, not one per failure."""
+    policy_0, policy_1 = identity.all_of(Role.POLICY, 2)
+    fleet = Fleet([object(), object()], [], policy_timeout_s=30, env_timeout_s=30)
+    _answering(fleet, monkeypatch, {policy_0: 100})
+    monkeypatch.setattr(fleet_module, "REJOIN_CHECK_S", 0.1)
+    asked = []
+
+    async def unreachable(name, timeout_s=None):
+        asked.append(asyncio.get_running_loop().time())
+        raise RemoteCallError(f"{name}.whoami failed: the actor died (unavailable)", "whoami", died=True, actor=name)
+
+    monkeypatch.setattr(fleet, "_whoami", unreachable)
+
+    async def scenario() -> None:
+        fleet.recover(policy_1)
+        await asyncio.sleep(1.0)
+        await fleet.close()
+
+    asyncio.run(scenario())
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert 5 <= len(asked) <= 11 and min(gaps) >= 0.09, (len(asked), gaps)

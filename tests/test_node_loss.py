@@ -3,6 +3,7 @@ once (``chaos.kill_nodes``, by ``LocalCluster.kill_node``), with or without a re
 with the same labels joining after it."""
 
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -84,14 +85,23 @@ def test_a_run_whose_cpu_node_is_lost_and_replaced_completes_and_accounts_for_ev
     assert (Path(summary["run_dir"]) / "final_policy" / "model.safetensors").is_file()
 
 
-def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp_path, caplog):
+@pytest.mark.parametrize("transport", ["auto", "shm"])  # auto: NIXL across nodes
+def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp_path, caplog, transport):
     """Head (labelled cpu: the driver, trainer, env actor, buffer); two gpu nodes that fit one
     engine each. policy-1's node is killed after step 3 and nothing replaces it: its games are
     replayed on policy-0, the run goes on with one engine, says so, and ends with every game
-    accounted for; the lost engine is named in the summary and left out of the weight syncs."""
+    accounted for; the lost engine is named in the summary and left out of the weight syncs.
+    The steps after the loss run at the pace of those before: no version waits for the lost
+    engine's reads (over NIXL its refs may stay counted by Ray for good), Ray's GCS does not spin
+    on a group it cannot place, and the driver asks the lost engine once per rejoin check."""
+    from ray_forge.run.fleet import REJOIN_CHECK_S
+    from ray_forge.weights.nixl import REF_GRACE_S
+
     with LocalCluster(TWO_ENGINE_NODES) as cluster:
         summary, rows = _run(cluster, tmp_path, caplog, *TWO_ENGINES, "policy.call_timeout_s=60",
-                             "chaos.kill_nodes=[{holding: policy-1, at_step: 3}]")
+                             f"weights.transport={transport}", "chaos.kill_nodes=[{holding: policy-1, at_step: 3}]")
+        [killed_ip] = re.findall(r"chaos: killing node \d at (\S+) ", caplog.text)
+        probes, down_s = _calls_to_the_lost_engine(cluster, killed_ip, caplog)
     _accounted(rows)
     last = rows[-1]
     # Down at the last step: restarting, or already left out (the run may end before its 60 s pass).
@@ -102,7 +112,36 @@ def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp
     assert "policy-1 is not back after 60s" in caplog.text  # by the run's end, which waited for no more
     assert "the run goes on with 1 of 2 policy actors" in caplog.text
     assert summary["engines_lost"] == ["policy-1"] and summary["policy_versions"] == [STEPS + 1]
+    assert summary["weight_transport"] == ("nixl" if transport == "auto" else "shm"), summary["weight_transport"]
     assert (Path(summary["run_dir"]) / "final_policy" / "model.safetensors").is_file()
+
+    before = statistics.median(r["step_time_s"] for r in rows[:3])
+    after = [r["step_time_s"] for r in rows[3:]]
+    assert statistics.median(after) <= 3 * before, (before, after)
+    assert max(r["weight_publish_s"] for r in rows[3:]) < REF_GRACE_S, [r["weight_publish_s"] for r in rows]
+    assert "spare buffer" not in caplog.text and "still referenced" not in caplog.text
+    # From Ray's own log of the driver's tasks: one probe per rejoin check while it was down.
+    assert 1 <= probes <= down_s / REJOIN_CHECK_S + 2, (probes, down_s)
+
+
+def _calls_to_the_lost_engine(cluster: LocalCluster, killed_ip: str, caplog) -> tuple[int, float]:
+    """How many tasks the driver submitted to the actor on the killed node after the kill, from the
+    driver's own core-worker log (Ray logs each task's end with its id, which ends with its
+    actor's id), and for how many seconds it was down then (kill to the run's end)."""
+    import os
+    import time
+
+    logs = cluster.temp_dir / "session_latest" / "logs"
+    [driver_log] = logs.glob(f"python-core-driver-*_{os.getpid()}.log")
+    text = driver_log.read_text(errors="replace")
+    [actor] = set(re.findall(rf"state: ALIVE, ip address: {re.escape(killed_ip)},.*?actor_id=(\w+)", text))
+    killed = next(r.created for r in caplog.records if "chaos: killing node" in r.getMessage())
+    tasks = set()
+    for line in text.splitlines():
+        stamp = re.match(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d+)", line)
+        if stamp and time.mktime(time.strptime(stamp[1], "%Y-%m-%d %H:%M:%S")) + int(stamp[2]) / 1000 > killed:
+            tasks.update(t for t in re.findall(r"task_id=(\w+)", line) if t.endswith(actor))
+    return len(tasks), time.time() - killed
 
 
 def test_an_engine_whose_node_is_lost_and_replaced_comes_back_and_syncs(tmp_path, caplog):

@@ -9,7 +9,7 @@ import ray
 from envs import registry
 from ray_forge.actors.env_pool import EnvPoolActor
 from ray_forge.actors.rollout import RolloutSettings
-from ray_forge.cluster.pools import PlacementError, Pools
+from ray_forge.cluster.pools import PlacementError, Pools, Slot
 from ray_forge.config.schema import BufferConfig, ClusterConfig, EnvConfig, Resources
 from ray_forge import identity
 from ray_forge.core.env import StepResult
@@ -34,24 +34,63 @@ class ScriptedPolicy:
         return out
 
 
-def test_pools_place_named_actors_in_bundles(ray_cluster):
-    by_pool = {"gpu": [("policy", Resources(pool="gpu", num_cpus=0.5))],
+def test_pools_keep_bundles_for_pinned_roles_and_place_restarted_ones_by_label(ray_cluster):
+    """Each pool is reserved whole; the trainer keeps its bundle, while engines and env actors (which
+    Ray restarts wherever their label has room) are placed outside any placement group: a placed
+    group that loses a node makes Ray's GCS spin (see ``pools``)."""
+    by_pool = {"gpu": [("trainer", Resources(pool="gpu", num_cpus=0.5)), ("policy", Resources(pool="gpu", num_cpus=0.5))],
                "cpu": [("env", Resources(pool="cpu", num_cpus=0.25))] * 2}
-    pools = Pools(ClusterConfig(placement_timeout_s=30), by_pool)
+    pools = Pools(ClusterConfig(placement_timeout_s=30), by_pool)  # this one-node cluster has no labelled node
     try:
-        envs = [EnvPoolActor.options(**slot.options(f"env-pooltest-{i}")).remote(EnvConfig(),
-            registry.get("blackjack").setup({}))
-                for i, slot in enumerate(pools.slots["env"])]
+        env_options = [slot.options(f"env-pooltest-{i}") for i, slot in enumerate(pools.slots["env"])]
+        assert "scheduling_strategy" not in env_options[0] and env_options[0]["num_cpus"] == 0.25
+        assert "scheduling_strategy" in pools.slots["trainer"][0].options("trainer-pooltest")
+        labelled = Slot(Resources(pool="gpu", num_cpus=0.5), label="gpu-nodes").options("policy-pooltest")
+        assert labelled["label_selector"] == {"ray_forge/pool": "gpu-nodes"} and "scheduling_strategy" not in labelled
+        envs = [EnvPoolActor.options(**o).remote(EnvConfig(), registry.get("blackjack").setup({})) for o in env_options]
         assert ray.get([e.node_id.remote() for e in envs], timeout=60)
         assert ray.get_actor("env-pooltest-1") is not None
         table = ray.util.placement_group_table()
         names = {v["name"]: v for v in table.values() if v["state"] == "CREATED"}
-        assert names["ray_forge-cpu"]["bundles"] == {0: {"CPU": 0.25}, 1: {"CPU": 0.25}}
-        assert names["ray_forge-gpu"]["bundles"] == {0: {"CPU": 0.5}}
+        assert names["ray_forge-gpu"]["bundles"] == {0: {"CPU": 0.5}}  # the trainer's alone
+        assert "ray_forge-cpu" not in names  # reserved whole at start, then released
         for e in envs:
             ray.kill(e)
     finally:
         pools.release()
+
+
+def test_the_fleet_cancels_its_calls_to_a_member_that_goes_down(ray_cluster):
+    """A call queued to a member when the fleet finds it down is cancelled (Ray would keep it queued
+    behind a restart that may never come), and its caller hears that the member is down."""
+    from ray_forge.run.fleet import Fleet
+
+    @ray.remote(num_cpus=0, max_concurrency=1)
+    class Busy:
+        def hold(self, seconds: float) -> None:
+            time.sleep(seconds)
+
+        def whoami(self) -> tuple[int, int]:
+            return 1, 0
+
+    busy = Busy.remote()
+    fleet = Fleet([], [busy], policy_timeout_s=30, env_timeout_s=30)
+    env = identity.env(0)
+
+    async def scenario() -> None:
+        busy.hold.remote(3.0)  # the member is busy: the next call waits in its queue
+        ref = busy.whoami.remote()
+        queued = asyncio.ensure_future(fleet._call(env, ref, timeout_s=30, what="whoami"))
+        await asyncio.sleep(0.5)
+        assert len(fleet.calls[env]) == 1
+        fleet.recover(env)
+        with pytest.raises(RemoteCallError, match="env-0.whoami was cancelled: the actor is down") as err:
+            await asyncio.wait_for(queued, timeout=20)
+        assert err.value.died and ref not in fleet.calls.get(env, ())  # what is left is the one rejoin probe
+        await fleet.close()
+
+    asyncio.run(scenario())
+    ray.kill(busy)
 
 
 def test_unplaceable_pool_fails_with_a_clear_error(ray_cluster):

@@ -641,3 +641,32 @@ def test_two_fsdp_ranks_put_their_own_shards_and_vllm_loads_the_whole_model(ray_
             ray_cluster.kill(r)
         store.destroy()
         engine.shutdown()
+
+
+def test_the_controller_frees_a_version_for_rewriting_once_no_reader_will_read_it():
+    """A sender may write into a version's buffers again once it is evicted and every engine handed
+    it said it holds its own copy or was found dead; a manifest handed to no named reader leaves
+    the answer to Ray's count of refs."""
+    import asyncio
+
+    from ray_forge.weights.base import Part
+    from ray_forge.weights.controller import WeightStoreController
+
+    async def scenario() -> list:
+        controller = WeightStoreController()
+        answers = []
+        for version in (1, 2, 3):
+            await controller.put_part(Part(version, "trainer-0", "nixl", (), None), 1, keep_versions=1)
+            if version == 1:
+                await controller.manifest(1, 1.0, ("policy-0", 10))
+                await controller.manifest(1, 1.0, ("policy-1", 20))
+                await controller.read_done(1, ("policy-0", 10))
+                answers.append(await controller.reclaimable([1]))  # live, and policy-1 reads it
+            if version == 2:
+                await controller.manifest(2, 1.0)  # a reader without a name
+                answers.append(await controller.reclaimable([1, 2]))  # 1 evicted, but policy-1 still reads it
+        await controller.receiver_gone("policy-1", 20)
+        answers.append(await controller.reclaimable([1, 2, 3]))  # 3 is live; 2 went to an unnamed reader
+        return answers
+
+    assert asyncio.run(scenario()) == [{}, {}, {1: [("policy-1", 20)]}]

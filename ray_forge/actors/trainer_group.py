@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 import ray
 
+from ray_forge.cluster import nodes
 from ray_forge.core.algorithm import TOKEN_STATS as _TOKEN_WEIGHTED
 from ray_forge.core.episode import Sample
 from ray_forge.identity import trainer
@@ -19,8 +19,6 @@ log = logging.getLogger(__name__)
 
 WATCH_S = 5.0
 """How often a run asks its trainer ranks whether they are alive."""
-RAYLET_PROBE_S = 2.0
-"""How long a dead rank's raylet is given to take a connection before its node is called lost."""
 
 
 class TrainerGroup:
@@ -127,8 +125,8 @@ class TrainerGroup:
         except RemoteCallError as err:
             if not err.died or rank >= len(self.nodes):
                 raise
-            node = next((n for n in ray.nodes() if n["NodeID"] == self.nodes[rank]), {})
-            state = await asyncio.to_thread(_node_state, node)
+            node = nodes.find(self.nodes[rank])
+            state = await asyncio.to_thread(nodes.state, node)
             where = f"{node.get('NodeManagerAddress', '?')} ({self.nodes[rank][:8]}{state})"
             raise RemoteCallError(f"{err}, on node {where}", err.what, died=True, actor=err.actor) from err
 
@@ -137,24 +135,6 @@ class TrainerGroup:
             get([r.shutdown.remote() for r in self.ranks], timeout_s=30, what="trainer.shutdown")
         except Exception:  # a dead rank cannot be shut down politely; the actor is killed anyway
             pass
-
-
-def _node_state(node: dict, timeout_s: float = RAYLET_PROBE_S) -> str:
-    """", lost" if Ray has declared ``node`` dead or its raylet refuses connections (its process is
-    gone): Ray declares a node dead only after missed heartbeats (about 15 s), and a rank's death
-    reaches the run sooner. A raylet that does not answer in time may be lost or only overloaded,
-    and is said so. A rank that died alone leaves its raylet answering: then nothing is added."""
-    if not node:
-        return ""
-    if not node.get("Alive", True):
-        return ", lost"
-    try:
-        socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=timeout_s).close()
-    except ConnectionRefusedError:
-        return ", lost: its raylet refuses connections"
-    except OSError:
-        return f", its raylet does not answer within {timeout_s:.0f}s: lost or overloaded"
-    return ""
 
 
 def combine_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:

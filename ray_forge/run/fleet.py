@@ -10,6 +10,12 @@ syncs skip a member that is restarting and sync it when it is back.
 A member whose node was lost may find no room to restart in: after its role's timeout the run
 goes on without it (``lost``) and it rejoins whenever Ray places it again. Only when a role has
 no member up for ``cluster.placement_timeout_s`` does the run stop, naming what its pool lacks.
+
+A member that is down is not called but to ask whether it is back: one call each
+``REJOIN_CHECK_S``, cancelled when it is not answered in time (Ray queues a call to a restarting
+actor until it is placed, for as long as that takes). Calls in flight to it when it went down are
+cancelled. An engine whose node is lost takes its process with it: the weight store is told
+(``receiver_gone``), so no version waits for a read that will never end.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Callable
 import ray
 
 from ray_forge.actors.rollout import RolloutSettings
+from ray_forge.cluster import nodes
 from ray_forge.config.schema import POOL_LABEL
 from ray_forge import identity
 from ray_forge.core.episode import Episode
@@ -29,7 +36,8 @@ from ray_forge.identity import ActorId, Role
 from ray_forge.remote import RemoteCallError, call
 from ray_forge.run import sync_check
 from ray_forge.weights import MixedWeights, StoreSpec, WeightSyncError
-from ray_forge.weights.sync import SyncRound
+from ray_forge.weights.controller import ControllerClient
+from ray_forge.weights.sync import ENGINE_GRACE_S, SyncRound
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +55,9 @@ MAX_FAILED_SYNCS = 3
 MAX_EVAL_ATTEMPTS = 3
 """Times an evaluation starts again after its engine or env actor died under it."""
 
-RETRY_S = 10.0
-"""How long one call to a restarting member waits before it is asked again."""
+REJOIN_CHECK_S = 10.0
+"""How often a member that is down is asked (one call) whether it is back; also how long a member
+up has to answer the roll call, and how long a wait for a free member sleeps at most."""
 
 CARRIED = ("actor_restarts", "replayed_games", "chaos_kills", "nodes_lost")
 """Counts since the run began, carried across a resume (``carry``)."""
@@ -92,11 +101,19 @@ class Fleet:
         self.nodes_seen: dict[str, str] = {}
         """Every node seen alive since the run began: its id and where it was (address, pool)."""
         self.nodes_lost: set[str] = set()
+        self.engine_nodes: dict[ActorId, str] = {}
+        """The node each engine's process runs on: when it dies, whether its node went with it."""
+        self.calls: dict[ActorId, set[ray.ObjectRef]] = {}
+        """The driver's calls in flight to each member: cancelled when it goes down."""
+        self.gone: set[tuple[ActorId, int]] = set()
+        """Engine processes the weight store was told are dead."""
 
     async def start(self) -> None:
-        """Record each member's process, to tell a restart from a slow answer later."""
+        """Record each member's process, to tell a restart from a slow answer later, and each
+        engine's node."""
         answers = await asyncio.gather(*(self._whoami(name) for name in self.members))
         self.pids = {name: pid for name, (pid, _) in zip(self.members, answers)}
+        await asyncio.gather(*(self._note_node(name) for name in self.engines()))
 
     # -- playing ---------------------------------------------------------------------------
     async def play(self, chunk: int, groups: list[tuple[int, int]], settings: RolloutSettings, key: int,
@@ -112,9 +129,9 @@ class Fleet:
             try:
                 # A key of its own per attempt: an env actor that was only unreachable may still be
                 # playing the first attempt, and two plays must never share an env.
-                played = await call(self.members[env].play.remote(self.members[policy], policy, groups, settings,
-                                                                  (key, attempt), sink),
-                                    timeout_s=settings.play_limit_s + 60, what="play", actor=env)
+                played = await self._call(env, self.members[env].play.remote(self.members[policy], policy, groups,
+                                                                             settings, (key, attempt), sink),
+                                          timeout_s=settings.play_limit_s + 60, what="play")
                 self.plays_done += 1
                 return played
             except RemoteCallError as err:
@@ -141,7 +158,7 @@ class Fleet:
                 raise FleetError(f"no {role} actor has been up for {waited:.0f}s (cluster.placement_timeout_s "
                                  f"{self.capacity_timeout_s:.0f}s): Ray could not start {', '.join(map(str, names))} "
                                  f"again; {self.needs(role)}")
-            await asyncio.wait(waiting, timeout=min(RETRY_S, self.capacity_timeout_s - waited + 0.1),
+            await asyncio.wait(waiting, timeout=min(REJOIN_CHECK_S, self.capacity_timeout_s - waited + 0.1),
                                return_when=asyncio.FIRST_COMPLETED)
 
     # -- restarts --------------------------------------------------------------------------
@@ -153,6 +170,8 @@ class Fleet:
         if name not in self._recovering and not self.closed:
             self.down_at[name] = time.monotonic()
             self._recovering[name] = asyncio.create_task(self._recover(name))
+            for ref in self.calls.pop(name, set()):
+                ray.cancel(ref)  # queued behind a restart that may never come, they would wait for it
 
     async def close(self) -> None:
         """At the run's end, before its actors are shut down: waits for restarts are cancelled."""
@@ -168,9 +187,10 @@ class Fleet:
         try:
             while True:
                 pid, version = await self._back(name)
-                self._seen(name, pid)
+                await self._seen(name, pid)
                 if name.role is not Role.POLICY:
                     return
+                await self._note_node(name)
                 try:
                     await self._sync(name, version)
                     return
@@ -189,10 +209,12 @@ class Fleet:
         role = name.role
         deadline = time.monotonic() + self.timeout_s[role]
         while True:
+            asked = time.monotonic()
             try:
-                answer = await self._whoami(name, timeout_s=min(RETRY_S, self.timeout_s[role]))
+                answer = await self._whoami(name, timeout_s=min(REJOIN_CHECK_S, self.timeout_s[role]))
                 break
             except RemoteCallError as err:
+                await self._forget_if_gone(name)
                 if time.monotonic() > deadline and name not in self.lost:
                     self.lost.add(name)
                     up = sum(not self.down(n) for n in identity.all_of(role, self.num[role]))
@@ -200,7 +222,7 @@ class Fleet:
                               "max_restarts used up): the run goes on with %d of %d %s actors, and it rejoins "
                               "once Ray starts it again (%s)", name, self.timeout_s[role], up, self.num[role],
                               role, err)
-                await asyncio.sleep(min(1.0, RETRY_S))
+                await asyncio.sleep(max(0.0, asked + REJOIN_CHECK_S - time.monotonic()))  # one call per check
         if name in self.lost:
             self.lost.discard(name)
             log.warning("%s is back after %.0fs and rejoins the run", name, time.monotonic() - self.down_at[name])
@@ -212,8 +234,8 @@ class Fleet:
         while self.spec is not None and self.held[name] < self.version:
             target = self.version
             try:
-                answer = await call(self.members[name].update_weights.remote(self.spec, target),
-                                    timeout_s=self.spec.timeout_s + 60, what="update_weights", actor=name)
+                answer = await self._call(name, self.members[name].update_weights.remote(self.spec, target),
+                                          timeout_s=self.spec.timeout_s + ENGINE_GRACE_S, what="update_weights")
             except ray.exceptions.RayTaskError as err:
                 if not isinstance(err.cause, WeightSyncError):
                     raise
@@ -228,12 +250,40 @@ class Fleet:
                 break
         self._note_serving()
 
-    def _seen(self, name: ActorId, pid: int) -> None:
-        """``name`` answered from process ``pid``: a new one means Ray restarted it."""
+    async def _seen(self, name: ActorId, pid: int) -> None:
+        """``name`` answered from process ``pid``: a new one means Ray restarted it (and an engine's
+        old process is dead, for the weight store)."""
         if pid != self.pids.get(name):
+            if name in self.pids:
+                await self._tell_gone(name, self.pids[name])
             self.restarts += 1
             self.pids[name] = pid
             log.warning("%s restarted (process %d)", name, pid)
+
+    async def _note_node(self, name: ActorId) -> None:
+        """Where engine ``name``'s process runs now (asked while it is up)."""
+        try:
+            self.engine_nodes[name] = await self._call(name, self.members[name].node_id.remote(),
+                                                       timeout_s=self.timeout_s[name.role], what="node_id")
+        except RemoteCallError as err:  # it went down again: its node is asked when it is back
+            log.warning("%s", err)
+
+    async def _forget_if_gone(self, name: ActorId) -> None:
+        """An engine that is down, on a node that is lost, is dead: tell the weight store. Asked at
+        each rejoin check, as Ray may declare the node dead only later."""
+        if name.role is Role.POLICY and (name, self.pids.get(name)) not in self.gone and name in self.engine_nodes:
+            if await asyncio.to_thread(nodes.lost, self.engine_nodes[name]):
+                await self._tell_gone(name, self.pids[name])
+
+    async def _tell_gone(self, name: ActorId, pid: int) -> None:
+        """The weight store stops counting engine ``name``'s process ``pid`` as a reader."""
+        if name.role is not Role.POLICY or (name, pid) in self.gone or self.spec is None:
+            return  # before the first sync nothing was published for it to read
+        self.gone.add((name, pid))
+        try:
+            await ControllerClient(self.spec).receiver_gone(str(name), pid)
+        except RemoteCallError as err:
+            log.warning("the weight store was not told that %s (process %d) is dead: %s", name, pid, err)
 
     async def roll_call(self) -> None:
         """Each member up says which process it is: a new one is a restart the fleet's calls did not
@@ -242,18 +292,32 @@ class Fleet:
         the games until it answers."""
         async def ask(name: ActorId) -> None:
             try:
-                pid, _ = await self._whoami(name, timeout_s=RETRY_S)
+                pid, _ = await self._whoami(name, timeout_s=REJOIN_CHECK_S)
             except RemoteCallError:
                 self.recover(name)
                 return
             if not self.down(name):  # an answer from before a death that a call met meanwhile is old news
-                self._seen(name, pid)
+                await self._seen(name, pid)
 
         await asyncio.gather(*(ask(name) for name in self.members if not self.down(name)))
 
     async def _whoami(self, name: ActorId, timeout_s: float | None = None) -> tuple[int, int]:
-        return await call(self.members[name].whoami.remote(), timeout_s=timeout_s or self.timeout_s[name.role],
-                          what="whoami", actor=name)
+        return await self._call(name, self.members[name].whoami.remote(), timeout_s=timeout_s or self.timeout_s[name.role],
+                                what="whoami")
+
+    async def _call(self, name: ActorId, ref: ray.ObjectRef, *, timeout_s: float, what: str):
+        """The answer to a call of the driver's to member ``name``: kept in ``calls`` while in
+        flight, and cancelled when it is not answered in time (it would stay queued by Ray
+        behind a restart)."""
+        self.calls.setdefault(name, set()).add(ref)
+        try:
+            return await call(ref, timeout_s=timeout_s, what=what, actor=name)
+        except RemoteCallError as err:
+            if not err.died:
+                ray.cancel(ref)
+            raise
+        finally:
+            self.calls.get(name, set()).discard(ref)
 
     async def settle(self) -> None:
         """Return once no member is restarting, but for those already given up on (``lost``): the
@@ -326,8 +390,8 @@ class Fleet:
         """``name``'s answer to its update (timings and the version it holds); None when it died
         (it is synced when it is back) or its sync failed (it keeps its previous version)."""
         try:
-            answer = await call(self.members[name].update_weights.remote(round_.spec, round_.version),
-                                timeout_s=round_.engine_timeout_s, what="update_weights", actor=name)
+            answer = await self._call(name, self.members[name].update_weights.remote(round_.spec, round_.version),
+                                      timeout_s=round_.engine_timeout_s, what="update_weights")
         except RemoteCallError as err:
             if not err.died:
                 raise
@@ -394,9 +458,8 @@ class Fleet:
             log.warning("%s holds weights version %d, not %d (it missed a sync): evaluating what it holds",
                         engine, version, self.version)
         timeout_s = self.timeout_s[Role.POLICY]
-        metrics, result = await call(self.members[evaluator].evaluate.remote(self.members[engine], engine, final,
-                                                                            timeout_s, settings),
-                                     timeout_s=settings.play_limit_s, what="evaluate", actor=evaluator)
+        metrics, result = await self._call(evaluator, self.members[evaluator].evaluate.remote(
+            self.members[engine], engine, final, timeout_s, settings), timeout_s=settings.play_limit_s, what="evaluate")
         row = {f"eval_{name}": value for name, value in metrics.items()}
         return dict(result, policy_version=version), dict(row, eval_policy_version=version)
 
@@ -421,5 +484,6 @@ class Fleet:
             return {}
 
     async def _version(self, name: ActorId) -> int:
-        return await call(self.members[name].get_version.remote(), timeout_s=60, what="get_version", actor=name)
+        return await self._call(name, self.members[name].get_version.remote(), timeout_s=self.timeout_s[name.role],
+                                what="get_version")
 

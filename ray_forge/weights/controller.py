@@ -21,6 +21,14 @@ from ray_forge.weights.rendezvous import PushSessions, Session
 
 log = logging.getLogger(__name__)
 
+Reader = tuple[str, int]
+"""A receiver process that reads versions: its name (the engine's) and process id."""
+
+READERS_KEPT = 1000
+"""Versions after which the controller forgets who read one. A NIXL sender rewrites a version's
+buffers within a few versions, or holds them while Ray counts refs to them: a reader that gave no
+name and held a version this long would see it rewritten."""
+
 
 class WeightStoreController:
     """Holds the manifest of each live version. For the object-store transport the manifests hold
@@ -37,6 +45,12 @@ class WeightStoreController:
         lives on its node), so each rank collects its own at its next put."""
         self.spec: StoreSpec | None = None
         self.pushes = None  # the push transport's sessions, made on first use
+        self.reading: dict[int, set[Reader]] = {}
+        """By version: the named receivers handed its manifest that have not said they are done."""
+        self.unnamed: set[int] = set()
+        """Versions whose manifest went to a receiver that gave no name: only Ray knows when it is done."""
+        self.gone: set[Reader] = set()
+        """Receiver processes the run has found dead: their reads will never end, nor need the bytes."""
 
     def _event(self, version: int) -> asyncio.Event:
         return self.published.setdefault(version, asyncio.Event())
@@ -58,12 +72,16 @@ class WeightStoreController:
 
     def _evict(self, keep_versions: int) -> None:
         """Keep the newest ``keep_versions``; drop unfinished versions older than the newest, which
-        can no longer be completed (a rank died or moved on), waking their waiters."""
+        can no longer be completed (a rank died or moved on), waking their waiters. Who read a
+        version is forgotten ``READERS_KEPT`` versions later (no sender keeps its buffers that long)."""
         newest = max(self.manifests)
         for version in sorted(self.manifests)[:-keep_versions]:
             self._drop(version, self.manifests.pop(version).parts)
         for version in [v for v in self.partial if v < newest]:
             self._drop(version, tuple(self.partial.pop(version).values()))
+        for version in [v for v in self.reading if v < newest - READERS_KEPT]:
+            del self.reading[version]
+        self.unnamed = {v for v in self.unnamed if v >= newest - READERS_KEPT}
 
     def _drop(self, version: int, parts: tuple[Part, ...]) -> None:
         if self.spec is None or self.spec.freed_by_writer:
@@ -75,16 +93,49 @@ class WeightStoreController:
         if event is not None:
             event.set()  # a waiter wakes, finds no manifest, and reports the version gone
 
-    async def manifest(self, version: int, timeout_s: float) -> Manifest | None:
+    async def manifest(self, version: int, timeout_s: float, reader: Reader | None = None) -> Manifest | None:
         """The version's manifest, waiting up to ``timeout_s`` for every part; None if it was not
-        published in time or was already evicted."""
+        published in time or was already evicted. ``reader`` (a receiver's name and process) says
+        when it is done reading (``read_done``); a manifest given to no named reader is done only
+        when Ray says every ref to it is gone."""
         if version not in self.manifests and self.manifests and version < max(self.manifests):
             return None  # older than every live version: evicted, it will never come back
         try:
             await asyncio.wait_for(self._event(version).wait(), timeout=timeout_s)
         except asyncio.TimeoutError:
             return None
-        return self.manifests.get(version)
+        found = self.manifests.get(version)
+        if found is not None:
+            if reader is None:
+                self.unnamed.add(version)
+            else:
+                self.reading.setdefault(version, set()).add(reader)
+        return found
+
+    async def read_done(self, version: int, reader: Reader) -> None:
+        """``reader`` holds its own copy of the version: it needs the sender's bytes no more."""
+        readers = self.reading.get(version, set())
+        readers.discard(reader)
+        if not readers:
+            self.reading.pop(version, None)
+
+    async def receiver_gone(self, name: str, pid: int) -> None:
+        """Process ``pid`` of receiver ``name`` is dead (its node lost, or Ray restarted it)."""
+        self.gone.add((name, pid))
+
+    async def reclaimable(self, versions: list[int]) -> dict[int, list[Reader]]:
+        """Of a sender's ``versions``, those whose bytes no one will read again: evicted, and every
+        named reader done or gone (an unnamed one: never). Each with the gone readers whose refs
+        Ray may still count: a receiver lost with its node stays a borrower in Ray's count, so
+        its version would never be freed."""
+        free = {}
+        for version in versions:
+            readers = self.reading.get(version, set())
+            if version in self.manifests or version in self.partial or version in self.unnamed \
+                    or not readers <= self.gone:
+                continue
+            free[version] = sorted(readers)
+        return free
 
     async def missing_parts(self, version: int) -> list[int] | None:
         """The ranks whose part of an unpublished version has not arrived (every rank if none has,
@@ -194,11 +245,12 @@ class ControllerClient:
         return self.ask(self.handle.put_part.remote(part, num_ranks, self.spec.keep_versions, self.spec),
                         f"put_part({part.version}, rank {part.rank})")
 
-    def manifest(self, version: int, deadline: float) -> Manifest:
+    def manifest(self, version: int, deadline: float, reader: Reader | None = None) -> Manifest:
         """The version's manifest, waiting until ``deadline`` for every rank's part; an error that
-        says who did not put it (or that it was evicted) otherwise."""
+        says who did not put it (or that it was evicted) otherwise. A named ``reader`` calls
+        ``read_done`` once it no longer needs the sender's bytes."""
         wait_s = max(0.0, deadline - time.monotonic())
-        found = self.ask(self.handle.manifest.remote(version, wait_s), f"manifest({version})", wait_s + 10)
+        found = self.ask(self.handle.manifest.remote(version, wait_s, reader), f"manifest({version})", wait_s + 10)
         if found is None:
             raise WeightSyncError(f"weights version {version} from {self._senders()} are not available: "
                                   f"{self._why_missing(version)}; live versions {self.versions()}")
@@ -219,6 +271,17 @@ class ControllerClient:
 
     def versions(self) -> list[int]:
         return self.ask(self.handle.versions.remote(), "versions()")
+
+    def read_done(self, version: int, reader: Reader) -> None:
+        """Said without waiting for an answer: until it arrives the sender asks Ray instead."""
+        self.handle.read_done.remote(version, reader)
+
+    def reclaimable(self, versions: list[int]) -> dict[int, list[Reader]]:
+        return self.ask(self.handle.reclaimable.remote(versions), "reclaimable()")
+
+    async def receiver_gone(self, name: str, pid: int) -> None:
+        """From the driver's event loop (the fleet found the receiver's process dead)."""
+        await self.ask_async("receiver_gone", name, pid)
 
     def delete(self, version: int) -> Manifest | None:
         return self.ask(self.handle.delete.remote(version), f"delete({version})")

@@ -16,12 +16,16 @@ buffers into the engine. A transfer that fails (a dead sender: Ray reports its o
 before the engine has loaded anything.
 
 The sender keeps ``keep_versions + 1`` arenas (the live versions and the one being written: that
-many copies of its shard) and writes into one again only once Ray says every ref to its last
-version is gone (``wait_tensor_freed``): the controller drops a version's refs when it evicts it,
-and a receiver drops its own once it has read them. Ray learns of a drop asynchronously, and of
-a receiver that died holding refs only once it notices the death: when the oldest arena is
-still referenced after ``REF_GRACE_S``, the rank writes into a spare one (at most
-``SPARE_ARENAS``) rather than hold up the sync, and takes the held one back once it is freed.
+many copies of its shard) and writes into one again once no one will read its last version:
+the controller has evicted it, and every engine it went to has said it holds its own copy
+(``read_done``) or was found dead by the run (``receiver_gone``). Ray's own count of the refs
+(``wait_tensor_freed``) is not waited for then: it learns of a drop asynchronously, and of a
+receiver lost with its node it may never learn (the borrower stays counted while Ray's GCS is
+busy rescheduling, which held an arena for good and stopped the run). A reused arena gets new
+view tensors, as Ray keys its record of the old object by the tensors' identity. A version read
+by a receiver that gave no name is free only when Ray says so: when the oldest arena is still
+referenced after ``REF_GRACE_S``, the rank writes into a spare one (at most ``SPARE_ARENAS``)
+rather than hold up the sync, and takes the held one back once it is freed.
 
 Ray caches NIXL registrations by address: a buffer is deregistered before it is dropped, or a
 later buffer allocated at the same address would inherit a registration of the wrong size.
@@ -221,7 +225,7 @@ class NixlTransport(StoredTransport):
         ``REF_RELEASE_S`` is up."""
         slots = _SENDING.setdefault(self.spec.name, [])
         start = time.monotonic()
-        slot = self._unreferenced(slots) or self._added(slots, self.spec.keep_versions + 1)
+        slot = self._unreferenced(slots) or self._added(slots, self.spec.keep_versions + 1) or self._reclaimed(slots, version)
         if slot is None:
             oldest = min(slots, key=lambda s: s.version)
             if self._freed(oldest, start + REF_GRACE_S):
@@ -246,6 +250,20 @@ class NixlTransport(StoredTransport):
                 self._release(slot.arena)  # the layout changed: this arena no longer fits
             slot.arena, slot.views = arena(layout, self._registered, device)
             slot.layout = layout
+        return slot
+
+    def _reclaimed(self, slots: list[_Slot], version: int) -> _Slot | None:
+        """The arena of the oldest version no one will read again (the controller knows who read
+        it), with new views: Ray may still count refs to the old ones (see the module's docstring)."""
+        free = self.client.reclaimable([s.version for s in slots])
+        slot = min((s for s in slots if s.version in free), key=lambda s: s.version, default=None)
+        if slot is None:
+            return None
+        if gone := free[slot.version]:
+            log.warning("weights version %d goes into the buffers of version %d, which only receivers found dead "
+                        "still hold (%s): Ray may never count their refs as gone",
+                        version, slot.version, ", ".join(f"{name} (process {pid})" for name, pid in gone))
+        slot.views = {index: view[:] for index, view in slot.views.items()}
         return slot
 
     def _unreferenced(self, slots: list[_Slot]) -> _Slot | None:
@@ -280,14 +298,18 @@ class NixlTransport(StoredTransport):
 
     # -- receiver ------------------------------------------------------------------------------
     def fetch(self, version: int, member: str, worker: int, deadline: float) -> Manifest:
-        """Every bucket of ``version`` into this process's registered arena: one transfer per part."""
-        manifest = super().fetch(version, member, worker, deadline)
+        """Every bucket of ``version`` into this process's registered arena: one transfer per part.
+        A named receiver (an engine) then tells the controller it needs the sender's bytes no more."""
+        reader = (member, os.getpid()) if member else None
+        manifest = self.client.manifest(version, deadline, reader)
         staging = staging_for(self.spec.name, self._registered, self._release)
         buffers = staging.prepare(manifest, receiving_device())
         for part in manifest.parts:
             if part.buckets:
                 self._receive(part, [buffers[(part.rank, b.index)] for b in part.buckets], deadline)
         staging.mark(version)
+        if reader is not None:
+            self.client.read_done(version, reader)
         note_ucx_transports()
         return manifest
 

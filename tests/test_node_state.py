@@ -4,7 +4,7 @@ the raylet does not answer in time; nothing when it still answers (the rank died
 
 import socket
 
-from ray_forge.actors.trainer_group import _node_state
+from ray_forge.cluster.nodes import state as _node_state
 
 
 def _node(port: int, alive: bool = True) -> dict:
