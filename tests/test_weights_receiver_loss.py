@@ -104,7 +104,9 @@ def test_a_receiver_lost_with_its_node_while_holding_versions_does_not_stop_the_
         seconds = [ray.get(sender.put.remote(spec, version), timeout=60) for version in (3, 4, 5)]
         assert max(seconds) < REF_GRACE_S, seconds  # none waited for the lost receiver's refs
         assert store.versions() == [4, 5]
+        start = time.monotonic()
         got = ray.get(reader.get.remote(spec, 5), timeout=60)
+        assert time.monotonic() - start < REF_GRACE_S  # nor did a live reader's read
         assert all(torch.equal(got[k], v) for k, v in state_dict(5).items())
     finally:
         ray.kill(receiver)
