@@ -11,6 +11,7 @@ import pytest
 from ray_forge.actors.buffer import COUNTERS
 from ray_forge import identity
 from ray_forge.core import checkpoint
+from engine_loss import paced_after_the_loss
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
 
@@ -49,6 +50,44 @@ def test_a_run_survives_actor_kills_and_accounts_for_every_game(ray_cluster, tmp
         buffer = pickle.load(f)
     assert buffer["counts"]["generated"] == buffer["next_batch"] * GAMES
     assert last["trained"] + last["dropped_no_signal"] == STEPS * GAMES  # each step took one batch's worth
+
+
+def test_a_run_over_shared_memory_that_loses_an_engine_for_good_completes_on_the_other(ray_cluster, tmp_path, caplog):
+    """One node, so the weights go over shared memory; policy-1 is killed for good (no restart)
+    once step 3 is logged: the run goes on with policy-0 at the pace it had, leaves policy-1 out
+    of the syncs and names it lost at the end. (Across nodes, with NIXL, its node is lost
+    instead: ``test_node_loss``.)"""
+    import threading
+    import time
+
+    import ray
+
+    from jobs import grpo
+
+    steps, killed = 10, []
+
+    def kill_after_step_3() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            logged = list(tmp_path.glob("*/metrics.jsonl"))
+            if logged and len(logged[0].read_text().splitlines()) >= 3:
+                ray.kill(ray.get_actor("policy-1"), no_restart=True)  # the job joined this process's Ray
+                killed.append(True)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_step_3, daemon=True)
+    killer.start()
+    with caplog.at_level("WARNING"):
+        summary = grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",
+                             f"run.steps={steps}", "run.eval_every=5", *SMALL, "policy.num_replicas=2",
+                             "policy.call_timeout_s=60"])
+    killer.join(timeout=60)
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert killed and [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert summary["weight_transport"] == "shm" and summary["engines_lost"] == ["policy-1"], summary
+    assert summary["policy_versions"] == [steps + 1] and "policy-1 is not back after 60s" in caplog.text
+    paced_after_the_loss(rows, rows[:3], caplog.text)
 
 
 def test_a_dead_trainer_stops_the_job_with_one_line_and_the_resume_command(ray_cluster, tmp_path):

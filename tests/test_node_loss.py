@@ -3,13 +3,13 @@ once (``chaos.kill_nodes``, by ``LocalCluster.kill_node``), with or without a re
 with the same labels joining after it."""
 
 import re
-import statistics
 from pathlib import Path
 
 import pytest
 
 from ray_forge.cluster.local import LocalCluster, NodeSpec
 from ray_forge.config.schema import POOL_LABEL
+from engine_loss import paced_after_the_loss
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray,
               pytest.mark.usefixtures("own_ray_cluster")]  # this process joins each test's own cluster
@@ -85,21 +85,21 @@ def test_a_run_whose_cpu_node_is_lost_and_replaced_completes_and_accounts_for_ev
     assert (Path(summary["run_dir"]) / "final_policy" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("transport", ["auto", "shm"])  # auto: NIXL across nodes
-def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp_path, caplog, transport):
+def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp_path, caplog):
     """Head (labelled cpu: the driver, trainer, env actor, buffer); two gpu nodes that fit one
     engine each. policy-1's node is killed after step 3 and nothing replaces it: its games are
     replayed on policy-0, the run goes on with one engine, says so, and ends with every game
     accounted for; the lost engine is named in the summary and left out of the weight syncs.
     The steps after the loss run at the pace of those before: no version waits for the lost
     engine's reads (over NIXL its refs may stay counted by Ray for good), Ray's GCS does not spin
-    on a group it cannot place, and the driver asks the lost engine once per rejoin check."""
+    on a group it cannot place, and the driver asks the lost engine once per rejoin check. The
+    weights go over NIXL (auto across nodes); over shared memory, which needs one node,
+    ``test_chaos`` loses an engine for good by killing it with no restarts left."""
     from ray_forge.run.fleet import REJOIN_CHECK_S
-    from ray_forge.weights.nixl import REF_GRACE_S
 
     with LocalCluster(TWO_ENGINE_NODES) as cluster:
         summary, rows = _run(cluster, tmp_path, caplog, *TWO_ENGINES, "policy.call_timeout_s=60",
-                             f"weights.transport={transport}", "chaos.kill_nodes=[{holding: policy-1, at_step: 3}]")
+                             "chaos.kill_nodes=[{holding: policy-1, at_step: 3}]")
         [killed_ip] = re.findall(r"chaos: killing node \d at (\S+) ", caplog.text)
         probes, down_s = _calls_to_the_lost_engine(cluster, killed_ip, caplog)
     _accounted(rows)
@@ -112,17 +112,12 @@ def test_a_run_that_loses_one_of_two_engines_for_good_completes_on_the_other(tmp
     assert "policy-1 is not back after 60s" in caplog.text  # by the run's end, which waited for no more
     assert "the run goes on with 1 of 2 policy actors" in caplog.text
     assert summary["engines_lost"] == ["policy-1"] and summary["policy_versions"] == [STEPS + 1]
-    assert summary["weight_transport"] == ("nixl" if transport == "auto" else "shm"), summary["weight_transport"]
+    assert summary["weight_transport"] == "nixl", summary["weight_transport"]
     assert (Path(summary["run_dir"]) / "final_policy" / "model.safetensors").is_file()
 
-    before = statistics.median(r["step_time_s"] for r in rows[:3])
-    after = [r["step_time_s"] for r in rows[3:]]
-    print(f"steps before the loss: median {before:.2f}s; after: {[round(a, 2) for a in after]}; "
-          f"{probes} calls to the lost engine in {down_s:.0f}s")  # shown by pytest -rP
-    assert statistics.median(after) <= 3 * before, (before, after)
-    assert max(r["weight_publish_s"] for r in rows[3:]) < REF_GRACE_S, [r["weight_publish_s"] for r in rows]
-    assert "spare buffer" not in caplog.text and "still referenced" not in caplog.text
+    paced_after_the_loss(rows, rows[:3], caplog.text)
     # From Ray's own log of the driver's tasks: one probe per rejoin check while it was down.
+    print(f"{probes} calls to the lost engine in {down_s:.0f}s")  # shown by pytest -rP
     assert 1 <= probes <= down_s / REJOIN_CHECK_S + 2, (probes, down_s)
 
 
