@@ -73,24 +73,29 @@ def test_the_fleet_cancels_its_calls_to_a_member_that_goes_down(ray_cluster):
         def whoami(self) -> tuple[int, int]:
             return 1, 0
 
-    busy = Busy.remote()
-    fleet = Fleet([], [busy], policy_timeout_s=30, env_timeout_s=30)
-    env = identity.env(0)
+    busy, slow = Busy.remote(), Busy.remote()
+    fleet = Fleet([], [busy, slow], policy_timeout_s=30, env_timeout_s=30)
+    env, slow_env = identity.all_of(identity.Role.ENV, 2)
 
     async def scenario() -> None:
-        busy.hold.remote(3.0)  # the member is busy: the next call waits in its queue
+        for actor in (busy, slow):
+            actor.hold.remote(3.0)  # the member is busy: the next call waits in its queue
         ref = busy.whoami.remote()
         queued = asyncio.ensure_future(fleet._call(env, ref, timeout_s=30, what="whoami"))
+        kept = asyncio.ensure_future(fleet._call(slow_env, slow.whoami.remote(), timeout_s=30, what="whoami"))
         await asyncio.sleep(0.5)
         assert len(fleet.calls[env]) == 1
         fleet.recover(env)
+        fleet.recover(slow_env, died=False)  # only slow to answer a roll call: its calls may still end well
         with pytest.raises(RemoteCallError, match="env-0.whoami was cancelled: the actor is down") as err:
             await asyncio.wait_for(queued, timeout=20)
         assert err.value.died and ref not in fleet.calls.get(env, ())  # what is left is the one rejoin probe
+        assert await asyncio.wait_for(kept, timeout=20) == (1, 0)
         await fleet.close()
 
     asyncio.run(scenario())
-    ray.kill(busy)
+    for actor in (busy, slow):
+        ray.kill(actor)
 
 
 def test_unplaceable_pool_fails_with_a_clear_error(ray_cluster):

@@ -162,16 +162,18 @@ class Fleet:
                                return_when=asyncio.FIRST_COMPLETED)
 
     # -- restarts --------------------------------------------------------------------------
-    def recover(self, name: ActorId) -> None:
+    def recover(self, name: ActorId, died: bool = True) -> None:
         """Wait (in the background) for ``name`` to be restarted; one wait per death. Not once the
         fleet is closed: its actors are being shut down, and a wait started then would outlive
         the event loop (Python prints "Task was destroyed but it is pending" after the job's
-        last line)."""
+        last line). The calls in flight to a member that ``died`` are cancelled: queued behind a
+        restart that may never come, they would wait for it. One only slow to answer (busy with a
+        long play) keeps them: they may still end well."""
         if name not in self._recovering and not self.closed:
             self.down_at[name] = time.monotonic()
             self._recovering[name] = asyncio.create_task(self._recover(name))
-            for ref in self.calls.pop(name, set()):
-                ray.cancel(ref)  # queued behind a restart that may never come, they would wait for it
+            for ref in self.calls.pop(name, set()) if died else ():
+                ray.cancel(ref)
 
     async def close(self) -> None:
         """At the run's end, before its actors are shut down: waits for restarts are cancelled."""
@@ -293,8 +295,8 @@ class Fleet:
         async def ask(name: ActorId) -> None:
             try:
                 pid, _ = await self._whoami(name, timeout_s=REJOIN_CHECK_S)
-            except RemoteCallError:
-                self.recover(name)
+            except RemoteCallError as err:
+                self.recover(name, died=err.died)
                 return
             if not self.down(name):  # an answer from before a death that a call met meanwhile is old news
                 await self._seen(name, pid)
