@@ -4,8 +4,8 @@
 On a local three-node cluster (a head; two nodes labelled ``gpu`` with one CPU each) two actors
 take one CPU on each gpu node, either as the two bundles of one placement group or by the label;
 the second's node is SIGKILLed and nothing replaces it, so Ray cannot place it again. The GCS's
-and each dashboard agent's CPU use is read before the kill and over ``--watch`` seconds after it
-(from /proc, by psutil). Ray's GCS retries a placed group that lost a node it cannot replace with
+and the dashboard agents' CPU use is read before the kill and over ``--watch`` seconds once Ray
+has declared the node dead (from /proc, by psutil). Ray's GCS retries a placed group that lost a node it cannot replace with
 no backoff (ray-project/ray#65007, #65970): it took a whole core here, and the run on the same
 machine lost it. Then a node with the label joins, and the actor must come back either way.
 
@@ -83,6 +83,7 @@ def lose_a_node(placement: str, watch_s: float) -> dict:
         before = cores_used(cluster, 5.0)
         ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == where[1])
         spec = cluster.kill_node(cluster.node_at(ip))
+        cluster.wait_for_nodes(len(NODES) - 1)  # Ray has declared it dead: from here the GCS reschedules
         after = cores_used(cluster, watch_s)
         cluster.add_node(spec)
         start = time.monotonic()
@@ -95,7 +96,7 @@ def lose_a_node(placement: str, watch_s: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--watch", type=float, default=20.0, help="seconds to watch the GCS after the kill")
+    parser.add_argument("--watch", type=float, default=20.0, help="seconds to watch the GCS once the node is dead")
     args = parser.parse_args()
     results = {placement: lose_a_node(placement, args.watch) for placement in ("placement_group", "label")}
     for placement, result in results.items():
