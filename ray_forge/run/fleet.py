@@ -14,8 +14,9 @@ no member up for ``cluster.placement_timeout_s`` does the run stop, naming what 
 A member that is down is not called but to ask whether it is back: one call each
 ``REJOIN_CHECK_S``, cancelled when it is not answered in time (Ray queues a call to a restarting
 actor until it is placed, for as long as that takes). Calls in flight to it when it went down are
-cancelled. An engine whose node is lost takes its process with it: the weight store is told
-(``receiver_gone``), so no version waits for a read that will never end.
+cancelled. An engine that died, or whose node is lost, is told to the weight store
+(``receiver_gone``), so no version waits for a read that will never end; one only cut off that
+answers again from the same process is told back (``receiver_back``) and brought to the newest version.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class Fleet:
         self.calls: dict[ActorId, set[ray.ObjectRef]] = {}
         """The driver's calls in flight to each member: cancelled when it goes down."""
         self.gone: set[tuple[ActorId, int]] = set()
-        """Engine processes the weight store was told are dead."""
+        """Engine processes the weight store was told are down (dead, or not answering)."""
 
     async def start(self) -> None:
         """Record each member's process, to tell a restart from a slow answer later, and each
@@ -171,7 +172,7 @@ class Fleet:
         long play) keeps them: they may still end well."""
         if name not in self._recovering and not self.closed:
             self.down_at[name] = time.monotonic()
-            self._recovering[name] = asyncio.create_task(self._recover(name))
+            self._recovering[name] = asyncio.create_task(self._recover(name, died))
             for ref in self.calls.pop(name, set()) if died else ():
                 ray.cancel(ref)
 
@@ -183,10 +184,13 @@ class Fleet:
             wait.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
 
-    async def _recover(self, name: ActorId) -> None:
+    async def _recover(self, name: ActorId, died: bool = True) -> None:
         """Until ``name`` is back and, for an engine, on the fleet's version; an engine that dies
-        again while it catches up is waited for again."""
+        again while it catches up is waited for again. The weight store stops waiting for what a
+        dead engine was reading at once: its node may be declared lost only a minute later."""
         try:
+            if died:
+                await self._tell_gone(name, self.pids.get(name))
             while True:
                 pid, version = await self._back(name)
                 await self._seen(name, pid)
@@ -261,6 +265,12 @@ class Fleet:
             self.restarts += 1
             self.pids[name] = pid
             log.warning("%s restarted (process %d)", name, pid)
+        elif (name, pid) in self.gone:  # only cut off, and back: its reads count again
+            self.gone.discard((name, pid))
+            try:
+                await ControllerClient(self.spec).receiver_back(str(name), pid)
+            except RemoteCallError as err:
+                log.warning("the weight store was not told that %s (process %d) is back: %s", name, pid, err)
 
     async def _note_node(self, name: ActorId) -> None:
         """Where engine ``name``'s process runs now (asked while it is up)."""
@@ -277,15 +287,15 @@ class Fleet:
             if await asyncio.to_thread(nodes.lost, self.engine_nodes[name]):
                 await self._tell_gone(name, self.pids[name])
 
-    async def _tell_gone(self, name: ActorId, pid: int) -> None:
+    async def _tell_gone(self, name: ActorId, pid: int | None) -> None:
         """The weight store stops counting engine ``name``'s process ``pid`` as a reader."""
-        if name.role is not Role.POLICY or (name, pid) in self.gone or self.spec is None:
+        if name.role is not Role.POLICY or pid is None or (name, pid) in self.gone or self.spec is None:
             return  # before the first sync nothing was published for it to read
         self.gone.add((name, pid))
         try:
             await ControllerClient(self.spec).receiver_gone(str(name), pid)
         except RemoteCallError as err:
-            log.warning("the weight store was not told that %s (process %d) is dead: %s", name, pid, err)
+            log.warning("the weight store was not told that %s (process %d) is down: %s", name, pid, err)
 
     async def roll_call(self) -> None:
         """Each member up says which process it is: a new one is a restart the fleet's calls did not
