@@ -169,7 +169,7 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
     guards = (rollout, asyncio.create_task(actors.trainer.watch()))  # a lost trainer node stops the run at once
     chaos = [asyncio.create_task(chaos_monkey(config.chaos, fleet, state.stop))] if config.chaos.every_s else []
     if lose_nodes is not None:
-        chaos.append(asyncio.create_task(lose_nodes.run(progress, state.stop)))
+        chaos.append(asyncio.create_task(lose_nodes.run(metrics, state.stop)))
     closing: asyncio.Task | None = None
     try:
         if config.run.eval_before_train and progress.step == 0:

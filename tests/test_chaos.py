@@ -191,3 +191,34 @@ def test_kill_nodes_needs_a_local_cluster_this_process_joined_and_an_actor_of_th
         NodeChaos(config.chaos.kill_nodes, {"policy-0": object(), "env-0": object(), "trainer-0": object()})
     with pytest.raises(ConfigError, match=r"chaos.kill_nodes\[0\].at_step = 0 is out of range"):
         load_config(JobConfig, None, ["chaos.kill_nodes=[{holding: env-0, at_step: 0}]"])
+
+
+def test_a_node_is_lost_once_its_step_is_closed_so_a_resumed_run_never_loses_it_again(monkeypatch):
+    """A kill "at step 4" waits for step 4's row, which is written after its checkpoint: a kill
+    during that save would leave step 2's checkpoint newest, and the resumed run would pass step 4
+    again and lose a second node."""
+    import asyncio
+    import types
+
+    from ray_forge.cluster import local
+    from ray_forge.config.schema import NodeKill
+    from ray_forge.run.chaos import NodeChaos
+
+    monkeypatch.setattr(local, "_joined", object())
+    metrics = types.SimpleNamespace(logged=2)
+    killed = []
+
+    async def scenario(start: int) -> None:
+        metrics.logged = start
+        chaos = NodeChaos((NodeKill(holding="trainer-0", at_step=4),), {"trainer-0": object()})
+        monkeypatch.setattr(chaos, "_kill", lambda kill: killed.append((kill.at_step, metrics.logged)))
+        run = asyncio.create_task(chaos.run(metrics, asyncio.Event()))
+        await asyncio.sleep(0.5)  # the trainer is past step 4, saving its checkpoint: the row is not written
+        assert killed == [] or start >= 4
+        metrics.logged = 4
+        await asyncio.wait_for(run, timeout=5)
+
+    asyncio.run(scenario(2))
+    assert killed == [(4, 4)]
+    asyncio.run(scenario(4))  # resumed from step 4's checkpoint: its kill happened before
+    assert killed == [(4, 4)]

@@ -102,6 +102,8 @@ class MetricsLog:
         self._file = self.path.open("a")
         self._gauges = RayGauges(run_dir.name) if ray.is_initialized() else None
         self._start = time.monotonic() - wall_offset_s
+        self.logged = done_steps
+        """The last step whose row is written: that step is closed, its checkpoint saved if one was due."""
         if progress and sys.stderr.isatty():
             self._bar = tqdm(total=total_steps, initial=done_steps, desc=desc, unit="step", file=sys.stderr,
                              dynamic_ncols=True)
@@ -113,6 +115,7 @@ class MetricsLog:
         row = metrics_row(step, time.monotonic() - self._start, values)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        self.logged = max(self.logged, step)
         if self._gauges is not None:
             self._gauges.record(row)
         for tracker in self.trackers:

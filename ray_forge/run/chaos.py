@@ -91,13 +91,14 @@ class NodeChaos:
         self.kills = sorted(kills, key=lambda kill: kill.at_step)
         self.actors = actors
 
-    async def run(self, progress, stop: asyncio.Event) -> None:
-        """Until every kill is done or ``stop`` is set; ``progress.step`` is the last finished step.
-        A resumed run skips the kills of the steps it resumes after: they happened before. A lost
+    async def run(self, metrics, stop: asyncio.Event) -> None:
+        """Until every kill is done or ``stop`` is set. A step's kill comes once the step is closed
+        (``metrics.logged``: its checkpoint saved, if one was due), so a resumed run, which skips the
+        kills of the steps it resumes after, never meets one twice. A lost
         node's replacement joins after its delay even if the run is ending meanwhile, as a cloud
         replaces a pod whatever the job does: the run's end waits for the members it lost."""
-        for kill in [kill for kill in self.kills if kill.at_step > progress.step]:
-            while progress.step < kill.at_step:
+        for kill in [kill for kill in self.kills if kill.at_step > metrics.logged]:
+            while metrics.logged < kill.at_step:
                 if await _stopped(stop, 0.2):
                     return
             try:
