@@ -75,3 +75,59 @@ def test_a_closed_fleet_cancels_its_waits_for_restarts_and_starts_no_more(monkey
 
     assert asyncio.run(scenario()) == []
     assert not fleet.down(identity.policy(0)) and not fleet.down(identity.policy(1)) and asked == [identity.policy(0)]
+
+
+class _Trainer:
+    async def publish_weights(self, spec, version) -> float:
+        return 0.01
+
+
+def test_a_sync_that_leaves_engines_further_behind_than_the_rollouts_may_lag_is_fetched_again(monkeypatch):
+    """With ``buffer.max_policy_lag`` 0 (or ``fixed_lag``) the next step's games need the version
+    just synced: a sync that failed on an engine would leave the rollouts waiting for a version no
+    sync brings (the next one comes after the next step, which needs those games). The engines
+    behind fetch it again from the store; with a lag of 1 a failed sync waits for the next step."""
+    from ray_forge import identity
+
+    def fleet_failing(lag: int, failures: int) -> tuple[Fleet, list]:
+        fleet = Fleet([object(), object()], [], policy_timeout_s=30, env_timeout_s=30, lag=lag)
+        asked = []
+
+        async def update(name, round_):
+            asked.append(str(name))
+            if name == identity.policy(1) and asked.count(str(name)) <= failures:
+                return None  # its fetch failed: it keeps its version
+            fleet.held[name] = round_.version
+            return {"load_s": 0.1, "version": round_.version}
+
+        monkeypatch.setattr(fleet, "_update", update)
+        return fleet, asked
+
+    spec = StoreSpec(name="sync-lag", transport="shm")
+    fleet, asked = fleet_failing(lag=0, failures=1)
+    asyncio.run(fleet.sync_weights(_Trainer(), spec, 1))
+    assert asked == ["policy-0", "policy-1", "policy-1"] and (fleet.serving, fleet.failed_syncs) == (1, 0)
+
+    fleet, asked = fleet_failing(lag=1, failures=2)
+    asyncio.run(fleet.sync_weights(_Trainer(), spec, 1))
+    assert asked == ["policy-0", "policy-1"] and (fleet.serving, fleet.failed_syncs) == (0, 1)
+    asyncio.run(fleet.sync_weights(_Trainer(), spec, 2))  # a second in a row: now the rollouts would starve
+    assert asked[2:] == ["policy-0", "policy-1", "policy-1"] and (fleet.serving, fleet.failed_syncs) == (2, 0)
+
+    fleet, asked = fleet_failing(lag=0, failures=5)
+    with pytest.raises(FleetError, match=r"could not be synced to \['policy-1'\] 3 times in a row \(last: version 1\)"):
+        asyncio.run(fleet.sync_weights(_Trainer(), spec, 1))
+    assert asked == ["policy-0", "policy-1", "policy-1", "policy-1"]
+
+    fleet, asked = fleet_failing(lag=0, failures=1)
+    pushed = StoreSpec(name="sync-lag-push", transport="collective", receivers=("policy-0", "policy-1"))
+    monkeypatch.setattr("ray_forge.run.fleet.SyncRound.open", _no_session)
+    with pytest.raises(FleetError, match=r"weights version 1 reached no engine of \['policy-1'\].*a push is not kept"):
+        asyncio.run(fleet.sync_weights(_Trainer(), pushed, 1))
+
+
+async def _no_session(spec, version, engines):
+    """A round without the controller's push session (this test's engines take nothing over the wire)."""
+    from ray_forge.weights.sync import SyncRound
+
+    return SyncRound(spec, version, tuple(engines))

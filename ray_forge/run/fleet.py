@@ -66,7 +66,8 @@ CARRIED = ("actor_restarts", "replayed_games", "chaos_kills", "nodes_lost")
 
 class Fleet:
     def __init__(self, policies: list, envs: list, *, policy_timeout_s: float, env_timeout_s: float,
-                 capacity_timeout_s: float = 300.0, needs: Callable[[Role], str] | None = None) -> None:
+                 capacity_timeout_s: float = 300.0, needs: Callable[[Role], str] | None = None,
+                 lag: int = 1) -> None:
         self.members: dict[ActorId, object] = (dict(zip(identity.all_of(Role.POLICY, len(policies)), policies))
                                                | dict(zip(identity.all_of(Role.ENV, len(envs)), envs)))
         self.num = {Role.POLICY: len(policies), Role.ENV: len(envs)}
@@ -82,6 +83,9 @@ class Fleet:
         """The policy version every engine should hold: the newest synced (a restarted one is brought to it)."""
         self.failed_syncs = 0
         """Syncs in a row that left some live engine on an older version."""
+        self.lag = lag
+        """How many versions the served one may fall behind the newest before rollouts starve: they
+        play only what the next step can train on (``buffer.max_policy_lag``; 0 with ``buffer.fixed_lag``)."""
         self.held: dict[ActorId, int] = {}
         """The version each engine said it holds after its last update."""
         self.serving = 0
@@ -359,19 +363,41 @@ class Fleet:
         load, time generation stood still (``gen_paused_s``) and wait for the step loop to take the load."""
         start = time.monotonic()
         publish_s, engines = await asyncio.gather(trainer.publish_weights(spec, version), self.sync(spec, version))
+        engines = await self._until_servable(spec, version, engines)
         return {"weight_sync_s": time.monotonic() - start, "weight_publish_s": publish_s,
                 "weight_fetch_s": engines.get("fetch_s", 0.0), "weight_load_s": engines.get("load_s", 0.0),
                 "gen_paused_s": engines.get("paused_s", 0.0), "weight_wait_s": engines.get("waited_s", 0.0)}
 
-    async def sync(self, spec: StoreSpec, version: int) -> dict[str, float]:
+    async def _until_servable(self, spec: StoreSpec, version: int, timings: dict[str, float]) -> dict[str, float]:
+        """A sync that left the engines up further behind than the rollouts may lag is tried again
+        on those behind, from the store: the next step waits for games that only a served version
+        can play, and no other sync comes before it (``MAX_FAILED_SYNCS`` in a row stop the run).
+        A push is not kept to fetch again: the run stops, naming the version. Engines down are
+        synced when they are back."""
+        while self.version - self.serving > self.lag and (behind := self._behind()):
+            if spec.pushes:
+                raise FleetError(f"weights version {version} reached no engine of {[str(n) for n in behind]}, and the "
+                                 f"rollouts may lag the trainer by {self.lag} version(s) (buffer.max_policy_lag, "
+                                 "buffer.fixed_lag): a push is not kept to fetch again; see the errors above")
+            log.warning("weights version %d is fetched again by %s: the rollouts may lag the trainer by %d version(s)",
+                        version, ", ".join(map(str, behind)), self.lag)
+            timings = await self.sync(spec, version, behind) or timings
+        return timings
+
+    def _behind(self) -> list[ActorId]:
+        """The engines up that do not hold the fleet's version."""
+        return [name for name in self.engines_up() if self.held.get(name) != self.version]
+
+    async def sync(self, spec: StoreSpec, version: int, names: list[ActorId] | None = None) -> dict[str, float]:
         """Every live engine takes ``version`` while the trainer publishes it: the driver runs this
         and the trainer's ``publish_weights`` together, and the weight store decides how the bytes
         travel (``SyncRound``). An engine that dies meanwhile is synced when it is back; one whose
         sync fails keeps its version (``serving`` does not move), and syncs that keep failing stop
-        the run. Returns the largest of each engine's timings (``VLLMPolicy.update_weights``)."""
+        the run. Returns the largest of each engine's timings (``VLLMPolicy.update_weights``).
+        ``names``: only these engines (a sync tried again on those it left behind)."""
         self.spec, self.version = spec, version
-        names = self.engines()
-        live = [i for i, name in enumerate(names) if not self.down(name)]
+        names, only = self.engines(), names
+        live = [i for i, name in enumerate(names) if not self.down(name) and (only is None or name in only)]
         round_ = await SyncRound.open(spec, version, live)
         try:
             answers = await asyncio.gather(*(self._update(names[i], round_) for i in live))
@@ -383,7 +409,7 @@ class Fleet:
         else:
             # Rollouts wait for a served version: syncs that keep failing would stall the run.
             self.failed_syncs += 1
-            behind = [n for n in names if not self.down(n) and self.held.get(n) != version]
+            behind = self._behind()
             if self.failed_syncs >= MAX_FAILED_SYNCS:
                 raise FleetError(f"weights could not be synced to {[str(n) for n in behind] or 'any engine'} "
                                  f"{self.failed_syncs} times "
