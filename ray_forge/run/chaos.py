@@ -16,7 +16,7 @@ import random
 
 import ray
 
-from ray_forge.cluster import local
+from ray_forge.cluster import local, nodes
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import ChaosConfig, NodeKill
 from ray_forge.identity import ActorId
@@ -113,7 +113,8 @@ class NodeChaos:
 
     def _kill(self, kill: NodeKill):
         node_id = get(self.actors[kill.holding].node_id.remote(), timeout_s=60, what="node_id")
-        ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), None)
+        node = nodes.find(node_id)
+        ip = node["NodeManagerAddress"] if node.get("Alive") else None
         if ip is None:
             raise ValueError(f"{kill.holding} runs on node {node_id[:8]}, which Ray does not list as alive")
         index = self.cluster.node_at(ip)
