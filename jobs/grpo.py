@@ -267,7 +267,7 @@ async def run_job(run: Run, env: EnvSetup, model_dir: str, start: Restored) -> d
         fleet = Fleet(actors.policies, actors.envs, policy_timeout_s=config.policy.call_timeout_s,
                       env_timeout_s=config.env.call_timeout_s, capacity_timeout_s=config.cluster.placement_timeout_s,
                       needs=lambda role: actors.pools.need(role.value, config.cluster.pool_labels),
-                      lag=0 if config.buffer.fixed_lag else config.buffer.max_policy_lag)
+                      lag=0 if config.buffer.fixed_lag else config.buffer.max_policy_lag, steps=config.run.steps)
         await fleet.start()
         first_batch = await checkpoints.resume(actors, fleet, start) if start.buffer is not None else 0
         await train(config, env, actors, fleet, checkpoints, progress, first_batch, metrics)

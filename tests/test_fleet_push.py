@@ -120,6 +120,11 @@ def test_a_sync_that_leaves_engines_further_behind_than_the_rollouts_may_lag_is_
     assert asked == ["policy-0", "policy-1", "policy-1", "policy-1"]
 
     fleet, asked = fleet_failing(lag=0, failures=1)
+    fleet.steps = 1  # the last step's version: no game waits for it
+    asyncio.run(fleet.sync_weights(_Trainer(), spec, 1))
+    assert asked == ["policy-0", "policy-1"] and (fleet.serving, fleet.failed_syncs) == (0, 1)
+
+    fleet, asked = fleet_failing(lag=0, failures=1)
     pushed = StoreSpec(name="sync-lag-push", transport="collective", receivers=("policy-0", "policy-1"))
     monkeypatch.setattr("ray_forge.run.fleet.SyncRound.open", _no_session)
     with pytest.raises(FleetError, match=r"weights version 1 reached no engine of \['policy-1'\].*a push is not kept"):

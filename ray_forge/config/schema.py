@@ -442,7 +442,8 @@ class NodeKill:
     holding: str
     """The node is the one this actor runs on (required): env-0, policy-1, trainer-0."""
     at_step: int = at_least(1, 1)
-    """Killed once the run has finished this step: its metrics row written, its checkpoint saved if due."""
+    """Killed once the run has finished this step: its metrics row written, its checkpoint saved if due.
+    A run resumed from a checkpoint before this step meets the kill again (the last step's never comes)."""
     replace_after_s: float = -1.0
     """A node with the same labels and resources joins this long after the kill (negative: none)."""
 

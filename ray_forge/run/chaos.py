@@ -100,6 +100,8 @@ class NodeChaos:
         for kill in [kill for kill in self.kills if kill.at_step > metrics.logged]:
             while metrics.logged < kill.at_step:
                 if await _stopped(stop, 0.2):
+                    log.warning("chaos: the run ended before step %d closed: the node holding %s is not lost",
+                                kill.at_step, kill.holding)
                     return
             try:
                 spec = await asyncio.to_thread(self._kill, kill)

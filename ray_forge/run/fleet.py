@@ -14,9 +14,9 @@ no member up for ``cluster.placement_timeout_s`` does the run stop, naming what 
 A member that is down is not called but to ask whether it is back: one call each
 ``REJOIN_CHECK_S``, cancelled when it is not answered in time (Ray queues a call to a restarting
 actor until it is placed, for as long as that takes). Calls in flight to it when it went down are
-cancelled. An engine that died, or whose node is lost, is told to the weight store
-(``receiver_gone``), so no version waits for a read that will never end; one only cut off that
-answers again from the same process is told back (``receiver_back``) and brought to the newest version.
+cancelled. An engine whose node is lost takes its process with it: the weight store is told
+(``receiver_gone``) as soon as the engine goes down, so no version waits for a read that will
+never end. Only a death that is certain is told: a member merely unreachable may still be reading.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ CARRIED = ("actor_restarts", "replayed_games", "chaos_kills", "nodes_lost")
 class Fleet:
     def __init__(self, policies: list, envs: list, *, policy_timeout_s: float, env_timeout_s: float,
                  capacity_timeout_s: float = 300.0, needs: Callable[[Role], str] | None = None,
-                 lag: int = 1) -> None:
+                 lag: int = 1, steps: int | None = None) -> None:
         self.members: dict[ActorId, object] = (dict(zip(identity.all_of(Role.POLICY, len(policies)), policies))
                                                | dict(zip(identity.all_of(Role.ENV, len(envs)), envs)))
         self.num = {Role.POLICY: len(policies), Role.ENV: len(envs)}
@@ -86,6 +86,8 @@ class Fleet:
         self.lag = lag
         """How many versions the served one may fall behind the newest before rollouts starve: they
         play only what the next step can train on (``buffer.max_policy_lag``; 0 with ``buffer.fixed_lag``)."""
+        self.steps = steps
+        """The run's last step: the versions from it on (its sync's, the average's) feed no rollout."""
         self.held: dict[ActorId, int] = {}
         """The version each engine said it holds after its last update."""
         self.serving = 0
@@ -111,7 +113,7 @@ class Fleet:
         self.calls: dict[ActorId, set[ray.ObjectRef]] = {}
         """The driver's calls in flight to each member: cancelled when it goes down."""
         self.gone: set[tuple[ActorId, int]] = set()
-        """Engine processes the weight store was told are down (dead, or not answering)."""
+        """Engine processes the weight store was told are dead."""
 
     async def start(self) -> None:
         """Record each member's process, to tell a restart from a slow answer later, and each
@@ -176,7 +178,7 @@ class Fleet:
         long play) keeps them: they may still end well."""
         if name not in self._recovering and not self.closed:
             self.down_at[name] = time.monotonic()
-            self._recovering[name] = asyncio.create_task(self._recover(name, died))
+            self._recovering[name] = asyncio.create_task(self._recover(name))
             for ref in self.calls.pop(name, set()) if died else ():
                 ray.cancel(ref)
 
@@ -188,13 +190,11 @@ class Fleet:
             wait.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
 
-    async def _recover(self, name: ActorId, died: bool = True) -> None:
+    async def _recover(self, name: ActorId) -> None:
         """Until ``name`` is back and, for an engine, on the fleet's version; an engine that dies
-        again while it catches up is waited for again. The weight store stops waiting for what a
-        dead engine was reading at once: its node may be declared lost only a minute later."""
+        again while it catches up is waited for again."""
         try:
-            if died:
-                await self._tell_gone(name, self.pids.get(name))
+            await self._forget_if_gone(name)  # now: Ray may declare its node dead only a minute later
             while True:
                 pid, version = await self._back(name)
                 await self._seen(name, pid)
@@ -269,12 +269,6 @@ class Fleet:
             self.restarts += 1
             self.pids[name] = pid
             log.warning("%s restarted (process %d)", name, pid)
-        elif (name, pid) in self.gone:  # only cut off, and back: its reads count again
-            self.gone.discard((name, pid))
-            try:
-                await ControllerClient(self.spec).receiver_back(str(name), pid)
-            except RemoteCallError as err:
-                log.warning("the weight store was not told that %s (process %d) is back: %s", name, pid, err)
 
     async def _note_node(self, name: ActorId) -> None:
         """Where engine ``name``'s process runs now (asked while it is up)."""
@@ -285,21 +279,22 @@ class Fleet:
             log.warning("%s", err)
 
     async def _forget_if_gone(self, name: ActorId) -> None:
-        """An engine that is down, on a node that is lost, is dead: tell the weight store. Asked at
-        each rejoin check, as Ray may declare the node dead only later."""
+        """An engine that is down, on a node that is lost, is dead: tell the weight store. Asked when
+        it goes down (a raylet that refuses connections is gone) and at each rejoin check, as Ray
+        may declare the node dead only later."""
         if name.role is Role.POLICY and (name, self.pids.get(name)) not in self.gone and name in self.engine_nodes:
             if await asyncio.to_thread(nodes.lost, self.engine_nodes[name]):
                 await self._tell_gone(name, self.pids[name])
 
-    async def _tell_gone(self, name: ActorId, pid: int | None) -> None:
+    async def _tell_gone(self, name: ActorId, pid: int) -> None:
         """The weight store stops counting engine ``name``'s process ``pid`` as a reader."""
-        if name.role is not Role.POLICY or pid is None or (name, pid) in self.gone or self.spec is None:
+        if name.role is not Role.POLICY or (name, pid) in self.gone or self.spec is None:
             return  # before the first sync nothing was published for it to read
         self.gone.add((name, pid))
         try:
             await ControllerClient(self.spec).receiver_gone(str(name), pid)
         except RemoteCallError as err:
-            log.warning("the weight store was not told that %s (process %d) is down: %s", name, pid, err)
+            log.warning("the weight store was not told that %s (process %d) is dead: %s", name, pid, err)
 
     async def roll_call(self) -> None:
         """Each member up says which process it is: a new one is a restart the fleet's calls did not
@@ -374,6 +369,8 @@ class Fleet:
         can play, and no other sync comes before it (``MAX_FAILED_SYNCS`` in a row stop the run).
         A push is not kept to fetch again: the run stops, naming the version. Engines down are
         synced when they are back."""
+        if self.steps is not None and version >= self.steps:
+            return timings  # no game will wait for it
         while self.version - self.serving > self.lag and (behind := self._behind()):
             if spec.pushes:
                 raise FleetError(f"weights version {version} reached no engine of {[str(n) for n in behind]}, and the "

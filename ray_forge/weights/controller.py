@@ -50,8 +50,7 @@ class WeightStoreController:
         self.unnamed: set[int] = set()
         """Versions whose manifest went to a receiver that gave no name: only Ray knows when it is done."""
         self.gone: set[Reader] = set()
-        """Receiver processes the run has found down (dead, or cut off from it): their reads in
-        flight are abandoned (one cut off only, and back, is brought to the newest version)."""
+        """Receiver processes the run has found dead: their reads will never end, nor need the bytes."""
 
     def _event(self, version: int) -> asyncio.Event:
         return self.published.setdefault(version, asyncio.Event())
@@ -121,13 +120,8 @@ class WeightStoreController:
             self.reading.pop(version, None)
 
     async def receiver_gone(self, name: str, pid: int) -> None:
-        """Process ``pid`` of receiver ``name`` is down: dead (its node lost, Ray restarted it),
-        or not answering the run."""
+        """Process ``pid`` of receiver ``name`` is dead (its node lost, or Ray restarted it)."""
         self.gone.add((name, pid))
-
-    async def receiver_back(self, name: str, pid: int) -> None:
-        """Process ``pid`` of receiver ``name``, found down, answers again: its reads count again."""
-        self.gone.discard((name, pid))
 
     async def reclaimable(self, versions: list[int]) -> dict[int, list[Reader]]:
         """Of a sender's ``versions``, those whose bytes no one will read again: evicted, and every
@@ -286,11 +280,8 @@ class ControllerClient:
         return self.ask(self.handle.reclaimable.remote(versions), "reclaimable()")
 
     async def receiver_gone(self, name: str, pid: int) -> None:
-        """From the driver's event loop (the fleet found the receiver's process down)."""
+        """From the driver's event loop (the fleet found the receiver's process dead)."""
         await self.ask_async("receiver_gone", name, pid)
-
-    async def receiver_back(self, name: str, pid: int) -> None:
-        await self.ask_async("receiver_back", name, pid)
 
     def delete(self, version: int) -> Manifest | None:
         return self.ask(self.handle.delete.remote(version), f"delete({version})")
