@@ -121,6 +121,7 @@ async def rollout_loop(config: JobConfig, actors: Actors, fleet: Fleet, state: L
     finally:
         for task in playing:
             task.cancel()
+        await asyncio.gather(*playing, return_exceptions=True)  # one that ended on an error meanwhile is not news
 
 
 async def next_batch(config: JobConfig, actors: Actors, version: int,
@@ -209,8 +210,9 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
         state.stop.set()
         guards[1].cancel()
         await asyncio.gather(guards[1], return_exceptions=True)  # its error, if any, was raised already
-        if closing is not None and not closing.done():
+        if closing is not None:  # its error, if it ended on one, is the run's own seen again (a dead trainer)
             closing.cancel()
+            await asyncio.gather(closing, return_exceptions=True)
         try:
             await asyncio.wait_for(asyncio.gather(rollout, *chaos, return_exceptions=True),
                                    timeout=config.policy.call_timeout_s)

@@ -206,3 +206,29 @@ def test_the_weight_store_stops_waiting_for_an_engine_on_a_lost_node_as_soon_as_
 
     asyncio.run(scenario())
     assert told == [("policy-1", 101)]
+
+
+def test_a_wait_for_a_member_that_fails_is_said_once_not_left_for_python_to_print_at_exit(monkeypatch, caplog):
+    """No one awaits a member's wait for its restart: an error in it (the run ending under it) is
+    logged as one line, so the job's last lines are its own, not "Task exception was never retrieved"."""
+    import gc
+
+    env_0 = identity.env(0)
+    fleet = Fleet([], [object()], policy_timeout_s=5, env_timeout_s=5)
+    fleet.pids = {env_0: 300}
+
+    async def whoami(name, timeout_s=None):
+        raise ValueError("the cluster is shutting down")
+
+    monkeypatch.setattr(fleet, "_whoami", whoami)
+
+    async def scenario() -> None:
+        fleet.recover(env_0)
+        await _until(lambda: not fleet.down(env_0))
+        await fleet.close()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+        gc.collect()
+    assert "waiting for env-0 to come back failed: ValueError: the cluster is shutting down" in caplog.text
+    assert "never retrieved" not in caplog.text

@@ -179,8 +179,16 @@ class Fleet:
         if name not in self._recovering and not self.closed:
             self.down_at[name] = time.monotonic()
             self._recovering[name] = asyncio.create_task(self._recover(name))
+            self._recovering[name].add_done_callback(lambda task: self._ended(name, task))
             for ref in self.calls.pop(name, set()) if died else ():
                 ray.cancel(ref)
+
+    @staticmethod
+    def _ended(name: ActorId, wait: asyncio.Task) -> None:
+        """A wait for a member that failed is said, once: no one else awaits it (Python would print
+        its traceback at exit as "Task exception was never retrieved")."""
+        if not wait.cancelled() and (err := wait.exception()) is not None:
+            log.error("waiting for %s to come back failed: %s: %s", name, type(err).__name__, err)
 
     async def close(self) -> None:
         """At the run's end, before its actors are shut down: waits for restarts are cancelled."""
@@ -293,7 +301,7 @@ class Fleet:
         self.gone.add((name, pid))
         try:
             await ControllerClient(self.spec).receiver_gone(str(name), pid)
-        except RemoteCallError as err:
+        except (RemoteCallError, WeightSyncError) as err:  # the store is gone too (the run is ending)
             log.warning("the weight store was not told that %s (process %d) is dead: %s", name, pid, err)
 
     async def roll_call(self) -> None:
