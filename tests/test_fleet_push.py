@@ -7,6 +7,7 @@ import pytest
 
 from ray_forge.run.fleet import MAX_FAILED_SYNCS, Fleet, FleetError
 from ray_forge.weights import StoreSpec
+from ray_forge.weights.sync import SyncRound
 
 
 def test_failed_syncs_hold_the_served_version_then_stop_the_run(monkeypatch):
@@ -127,12 +128,16 @@ def test_a_sync_that_leaves_engines_further_behind_than_the_rollouts_may_lag_is_
     fleet, asked = fleet_failing(lag=0, failures=1)
     pushed = StoreSpec(name="sync-lag-push", transport="collective", receivers=("policy-0", "policy-1"))
     monkeypatch.setattr("ray_forge.run.fleet.SyncRound.open", _no_session)
-    with pytest.raises(FleetError, match=r"weights version 1 reached no engine of \['policy-1'\].*a push is not kept"):
+    with pytest.raises(FleetError, match=r"weights version 1 reached no engine of \['policy-1'\].*a push is kept "
+                                         r"nowhere to fetch again"):
         asyncio.run(fleet.sync_weights(_Trainer(), pushed, 1))
+    assert asked == ["policy-0", "policy-1"]
 
 
-async def _no_session(spec, version, engines):
-    """A round without the controller's push session (this test's engines take nothing over the wire)."""
-    from ray_forge.weights.sync import SyncRound
+_OPEN = SyncRound.open
 
-    return SyncRound(spec, version, tuple(engines))
+
+async def _no_session(spec, version, engines, again=False):
+    """A round without the controller's push session (this test's engines take nothing over the
+    wire); a round again is the weight store's own answer."""
+    return await _OPEN(spec, version, engines, again=True) if again else SyncRound(spec, version, tuple(engines))

@@ -375,18 +375,19 @@ class Fleet:
         """A sync that left the engines up further behind than the rollouts may lag is tried again
         on those behind, from the store: the next step waits for games that only a served version
         can play, and no other sync comes before it (``MAX_FAILED_SYNCS`` in a row stop the run).
-        A push is not kept to fetch again: the run stops, naming the version. Engines down are
+        A version the store cannot give again (a push) stops the run, naming it. Engines down are
         synced when they are back."""
         if self.steps is not None and version >= self.steps:
             return timings  # no game will wait for it
         while self.version - self.serving > self.lag and (behind := self._behind()):
-            if spec.pushes:
-                raise FleetError(f"weights version {version} reached no engine of {[str(n) for n in behind]}, and the "
-                                 f"rollouts may lag the trainer by {self.lag} version(s) (buffer.max_policy_lag, "
-                                 "buffer.fixed_lag): a push is not kept to fetch again; see the errors above")
             log.warning("weights version %d is fetched again by %s: the rollouts may lag the trainer by %d version(s)",
                         version, ", ".join(map(str, behind)), self.lag)
-            timings = await self.sync(spec, version, behind) or timings
+            try:
+                timings = await self.sync(spec, version, behind) or timings
+            except WeightSyncError as err:
+                raise FleetError(f"weights version {version} reached no engine of {[str(n) for n in behind]}, and the "
+                                 f"rollouts may lag the trainer by {self.lag} version(s) (buffer.max_policy_lag, "
+                                 f"buffer.fixed_lag): {err}; see the errors above") from None
         return timings
 
     def _behind(self) -> list[ActorId]:
@@ -403,7 +404,7 @@ class Fleet:
         self.spec, self.version = spec, version
         names, only = self.engines(), names
         live = [i for i, name in enumerate(names) if not self.down(name) and (only is None or name in only)]
-        round_ = await SyncRound.open(spec, version, live)
+        round_ = await SyncRound.open(spec, version, live, again=only is not None)
         try:
             answers = await asyncio.gather(*(self._update(names[i], round_) for i in live))
         finally:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_forge.weights.base import StoreSpec
+from ray_forge.weights.base import StoreSpec, WeightSyncError
 from ray_forge.weights.controller import ControllerClient
 from ray_forge.weights.rendezvous import Session
 
@@ -32,7 +32,12 @@ class SyncRound:
     session: Session | None = None
 
     @classmethod
-    async def open(cls, spec: StoreSpec, version: int, engines: list[int]) -> "SyncRound":
+    async def open(cls, spec: StoreSpec, version: int, engines: list[int], again: bool = False) -> "SyncRound":
+        """``again``: engines an earlier round of ``version`` left behind fetch it once more, from the
+        store; a push is sent once and kept nowhere, so it cannot be."""
+        if again and spec.pushes:
+            raise WeightSyncError(f"weights version {version} was pushed ({spec.transport}), and a push is kept "
+                                  "nowhere to fetch again")
         sync = cls(spec, version, tuple(engines))
         if spec.pushes:
             if len(spec.receivers) <= max(engines, default=-1):
