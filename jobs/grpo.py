@@ -153,7 +153,8 @@ async def beside(guards: tuple[asyncio.Task, ...], work: Awaitable[T], what: str
     wait = asyncio.ensure_future(work)
     await asyncio.wait({wait, *guards}, return_when=asyncio.FIRST_COMPLETED)
     if not wait.done():
-        wait.cancel()
+        wait.cancel()  # a call whose answer came meanwhile ends on it, not on the cancel: its error is not news
+        wait.add_done_callback(lambda task: task.cancelled() or task.exception())
         for guard in guards:
             if guard.done():
                 guard.result()  # re-raises its error

@@ -222,3 +222,33 @@ def test_a_node_is_lost_once_its_step_is_closed_so_a_resumed_run_never_loses_it_
     assert killed == [(4, 4)]
     asyncio.run(scenario(4))  # resumed from step 4's checkpoint: its kill happened before
     assert killed == [(4, 4)]
+
+
+def test_a_call_answered_while_a_guard_stops_the_run_leaves_no_traceback_at_the_end(caplog):
+    """The trainer's watch ends the wait for a batch; the call it cancels may end on its own answer
+    instead (Python 3.11's wait_for returns what came meanwhile): that error is not news, and Python
+    must not print it as "Task exception was never retrieved" under the job's last line."""
+    import asyncio
+    import gc
+
+    from jobs.grpo import beside
+
+    async def call_answered_meanwhile() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise RuntimeError("buffer.wait_batch failed: the answer that came with the cancel") from None
+
+    async def watch() -> None:
+        raise RuntimeError("trainer-0.watch failed: the actor died")
+
+    async def scenario() -> None:
+        guard = asyncio.create_task(watch())
+        with pytest.raises(RuntimeError, match="trainer-0.watch failed"):
+            await beside((guard,), call_answered_meanwhile(), "its batch came")
+        await asyncio.sleep(0.1)
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(scenario())
+        gc.collect()
+    assert "never retrieved" not in caplog.text
