@@ -394,15 +394,15 @@ class Fleet:
         """The engines up that do not hold the fleet's version."""
         return [name for name in self.engines_up() if self.held.get(name) != self.version]
 
-    async def sync(self, spec: StoreSpec, version: int, names: list[ActorId] | None = None) -> dict[str, float]:
+    async def sync(self, spec: StoreSpec, version: int, only: list[ActorId] | None = None) -> dict[str, float]:
         """Every live engine takes ``version`` while the trainer publishes it: the driver runs this
         and the trainer's ``publish_weights`` together, and the weight store decides how the bytes
         travel (``SyncRound``). An engine that dies meanwhile is synced when it is back; one whose
         sync fails keeps its version (``serving`` does not move), and syncs that keep failing stop
         the run. Returns the largest of each engine's timings (``VLLMPolicy.update_weights``).
-        ``names``: only these engines (a sync tried again on those it left behind)."""
+        ``only``: these engines (a sync tried again on those it left behind)."""
         self.spec, self.version = spec, version
-        names, only = self.engines(), names
+        names = self.engines()
         live = [i for i, name in enumerate(names) if not self.down(name) and (only is None or name in only)]
         round_ = await SyncRound.open(spec, version, live, again=only is not None)
         try:
