@@ -27,6 +27,7 @@ from ray_forge.cluster import pools
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import SFTConfig
 from ray_forge.core import checkpoint, sft
+from ray_forge.core.chat import ChatFormat
 from ray_forge.core.checkpoint import CheckpointError
 from ray_forge.models.export import save_hf_folder
 from ray_forge.models.tiny import ModelError
@@ -103,7 +104,7 @@ async def save_checkpoint(config: SFTConfig, trainer: TrainerGroup, run_dir: Pat
     return time.monotonic() - start
 
 
-async def run_job(run: Run, model_dir: str, train_rows, eval_rows) -> dict:
+async def run_job(run: Run, model_dir: str, train_rows, eval_rows, tool_tags: str) -> dict:
     config, run_dir = run.config, run.run_dir
     namespace = run_dir.name + (f"-resumed-{time.strftime('%H%M%S')}" if run.resumed else "")
     started_ray = pools.connect(config.cluster, namespace=namespace)
@@ -129,7 +130,7 @@ async def run_job(run: Run, model_dir: str, train_rows, eval_rows) -> dict:
         last = await train(config, trainer, run_dir, train_rows, held_out_packed(config, eval_rows), first_step, wall)
         await save_hf_folder(trainer, model_dir, run_dir / "final_model", config.run.steps, config.trainer.dtype)
         summary = dict(run_dir=str(run_dir), final_model=str(run_dir / "final_model"), steps=config.run.steps,
-                       loss=last.get("loss"), eval_loss=last.get("eval_loss"))
+                       loss=last.get("loss"), eval_loss=last.get("eval_loss"), tool_tags=tool_tags)
         (run_dir / FINISHED_FILE).write_text(json.dumps(summary, indent=2))
         log.info("final model: %s", run_dir / "final_model")
         return summary
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_rows, eval_rows = rows_of(tokenizer, train_set), rows_of(tokenizer, eval_set)
     log.info("rendered %d conversations in %.1f s", len(train_set) + len(eval_set), time.monotonic() - start)
     with stops_resumably(run, "jobs/sft.py", (RemoteCallError, CheckpointError, TimeoutError)):
-        summary = asyncio.run(run_job(run, model_dir, train_rows, eval_rows))
+        summary = asyncio.run(run_job(run, model_dir, train_rows, eval_rows, ChatFormat(tokenizer).tool_tags))
     print(json.dumps(summary))
     return summary
 

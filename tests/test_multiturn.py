@@ -54,8 +54,8 @@ def test_after_a_sync_the_engine_s_logprobs_of_a_tool_episode_equal_the_trainer_
     envs = [CheckedAnswer() for _ in range(6)]
     chat = ChatFormat(AutoTokenizer.from_pretrained(tool_model), [tool.schema for tool in envs[0].tools()])
 
-    async def engine(prompts, max_tokens, stop_ids, call):
-        return await asyncio.to_thread(policy.generate_ids, prompts, max_tokens, stop_ids, False, 1000 + call)
+    async def engine(prompts, max_tokens, stops, call):
+        return await asyncio.to_thread(policy.generate_ids, prompts, max_tokens, stops, False, 1000 + call)
 
     def play():
         rules = EpisodeRules(mode="sequence", max_turns=4, turn_tokens=48, episode_tokens=1024,

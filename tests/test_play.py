@@ -89,7 +89,7 @@ def tok():
 
 def scripted(tok, seen_prompts: list):
     """The stand-in engine: each game's next scripted turn, cut to its budget, as token ids."""
-    async def generate(prompts, max_tokens, stop_ids, call_index):
+    async def generate(prompts, max_tokens, stops, call_index):
         out = []
         for prompt, budget in zip(prompts, max_tokens):
             text = tok.decode(list(prompt), skip_special_tokens=False)
@@ -188,7 +188,7 @@ class Endless(TextEnv):
 
 
 def test_turn_mode_games_that_never_end_and_a_failed_reset_end_with_their_reasons():
-    async def chatty(prompts, max_tokens, stop_ids, call_index):
+    async def chatty(prompts, max_tokens, stops, call_index):
         assert all(isinstance(p, str) for p in prompts) and max_tokens == [3] * len(prompts)
         return [Turn((1,), (9,), (-0.5,), 0, "I think") for _ in prompts]
 
@@ -206,7 +206,7 @@ def test_an_env_turn_that_hangs_fails_the_play_naming_the_limit():
             time.sleep(5)
             return super().step(text)
 
-    async def answer(prompts, max_tokens, stop_ids, call_index):
+    async def answer(prompts, max_tokens, stops, call_index):
         return [Turn((1,), (9,), (-0.5,), 0, "x") for _ in prompts]
 
     with pytest.raises(TimeoutError, match="did not finish within env.call_timeout_s=1s"):
@@ -245,7 +245,7 @@ def test_strict_template_mode_stops_the_play_naming_the_turn(tok):
         def reset(self, seed):
             return "Task 6: what is 6 times 7?"
 
-    async def thinker(prompts, max_tokens, stop_ids, call_index):
+    async def thinker(prompts, max_tokens, stops, call_index):
         ids = tuple(rewriting.encode("<think>hmm</think>no<|im_end|>", add_special_tokens=False))
         return [Turn(tuple(p), ids, (-0.1,) * len(ids), 0, token_versions=(0,) * len(ids)) for p in prompts]
 

@@ -9,6 +9,7 @@ import torch
 
 from envs.blackjack import ACTION_WORDS, BlackjackTextEnv
 from ray_forge.actors.policy import VLLMPolicy
+from ray_forge.core.chat import Stops
 import tiny_configs
 
 pytestmark = pytest.mark.vllm
@@ -327,9 +328,9 @@ def test_seeded_long_prompts_past_one_step_s_token_budget_do_not_crash_the_engin
                         model_dir=str(folder), action_words=None)
     try:
         prompts = [tuple((i * 7 + j) % 250 + 10 for j in range(400)) for i in range(64)]
-        out = engine.generate_ids(prompts, [8] * 64, (), False, 123, 0)
+        out = engine.generate_ids(prompts, [8] * 64, Stops(), False, 123, 0)
         assert [t.prompt_ids for t in out] == prompts and all(1 <= len(t.response_ids) <= 8 for t in out)
-        again = engine.generate_ids(prompts, [8] * 64, (), False, 123, 0)
+        again = engine.generate_ids(prompts, [8] * 64, Stops(), False, 123, 0)
         assert [t.response_ids for t in again] == [t.response_ids for t in out]  # seeded: the same completions
     finally:
         engine.shutdown()

@@ -87,7 +87,7 @@ def test_the_mask_covers_exactly_the_sampled_tokens_and_tool_output_has_no_loss(
         assert f"<tool_response>\n{41 + k}\n</tool_response>" in given
     assert "The answer" not in given and "Let me run it" not in given
     # The engine stopped at </tool_call>: the template's end of turn follows, with no loss.
-    close = ids.index(chat.stop_ids[0])
+    close = ids.index(chat.stops.ids[0])
     assert ids[close + 1] == chat.end_of_turn and mask[close + 1] == 0
 
 

@@ -118,7 +118,7 @@ def test_the_saved_folder_loads_in_vllm_and_transformers_with_equal_logprobs(one
     engine = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=24, max_model_len=512, kv_cache_mb=64),
                         model_dir=str(folder), action_words=None)
     try:
-        turns = engine.generate_ids(list(prompts), [24] * len(prompts), chat.stop_ids, False, 7, 0)
+        turns = engine.generate_ids(list(prompts), [24] * len(prompts), chat.stops, False, 7, 0)
     finally:
         engine.shutdown()
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)

@@ -39,27 +39,93 @@ def _prompts(folder: Path, count: int) -> tuple[object, list[tuple[int, ...]]]:
     return chat, [tuple(chat.render([{"role": "user", "content": show(t, tool=True)}], True)) for t in held_out]
 
 
-def test_the_converted_folder_is_smollm2_with_the_tool_tokens_and_its_own_system_line(smollm2):
+def test_the_converted_folder_is_smollm2_with_its_own_vocabulary_and_system_line(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ray_forge.core.chat import CHAT_TOKENS
-    from ray_forge.models.gguf import smollm2_gguf
+    from ray_forge.core.chat import END_OF_TURN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ChatFormat
+    from ray_forge.models.gguf import TOKENS_FILE, smollm2_gguf
 
     config = json.loads((smollm2 / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
+    gguf = smollm2_gguf()
+    own = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    for token in CHAT_TOKENS:
-        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1, token
+    # No token added: the tags are text its own tokenizer encodes, as it encoded them before.
+    assert tokenizer.get_vocab() == own.get_vocab() and config["vocab_size"] == len(own) == 49152
+    for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        assert len(ids) > 1 and ids == own.encode(tag, add_special_tokens=False), (tag, ids)
+    assert len(tokenizer.encode(END_OF_TURN, add_special_tokens=False)) == 1
+    assert ChatFormat(tokenizer).tool_tags == "text" == json.loads((smollm2 / TOKENS_FILE).read_text())["tool_tags"]
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face")
-    # The weights are the GGUF's (dequantized): the same logits on its own vocabulary.
-    gguf = smollm2_gguf()
+    # The weights are the GGUF's (dequantized): the same logits.
     original = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     converted = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
     with torch.no_grad():
         want, got = original(ids).logits[0], converted(ids).logits[0]
-    assert torch.equal(got[:, :want.shape[1]], want)
+    assert torch.equal(got, want)
+
+
+def test_a_tool_call_in_any_split_of_its_tags_ends_the_turn_and_is_trained_as_sampled(smollm2):
+    """The engine may write ``</tool_call>`` in pieces other than the tokenizer's own, or end it
+    inside a longer token: either way the turn stopped there, the call is read, and the sequence
+    the trainer gets holds the sampled ids, with the loss on them and on nothing the env gave."""
+    from transformers import AutoTokenizer
+
+    from envs.code.python_tool import SCHEMA
+    from ray_forge.core.chat import ChatFormat, parse_tool_calls
+    from ray_forge.core.episode import Turn
+    from ray_forge.core.sequence import SequenceBuilder
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    chat = ChatFormat(tokenizer, [SCHEMA])
+    vocab = tokenizer.get_vocab()
+    call = tokenizer.encode('<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}', add_special_tokens=False)
+    own = tokenizer.encode("</tool_call>", add_special_tokens=False)
+    apart = [vocab[p] for p in ("<", "/", "tool", "_", "call", ">")]  # not the tokenizer's own split
+    inside = own[:-1] + [vocab["></"]]  # the tag's last character, and more, in one token
+    assert apart != own and chat.stopped(own) and chat.stopped(apart) and chat.stopped(inside)
+    assert not chat.stopped(own[:-1]) and not chat.stopped(call) and chat.stopped([chat.end_of_turn])
+    for close in (apart, inside):
+        builder = SequenceBuilder(chat, [{"role": "user", "content": "What is 6*7?"}])
+        prompt = builder.prompt()
+        sampled = tuple(call + close)
+        text = chat.decode(sampled)
+        builder.add_model_turn(Turn(prompt, sampled, (-0.5,) * len(sampled), 0), text)
+        assert [(c.name, c.arguments) for c in parse_tool_calls(text)] == [("python", {"code": "print(6*7)"})]
+        builder.add_env_turn([{"role": "tool", "content": "42"}])
+        [segment] = builder.segments()
+        trained = [t for t, m in zip(segment.token_ids, segment.loss_mask) if m]
+        assert segment.token_ids[:len(prompt) + len(sampled)] == prompt + sampled and trained == list(sampled)
+
+
+def test_added_tool_tokens_start_from_the_rows_of_the_text_they_stand_for(smollm2):
+    """``--tool-tokens``: each added tag's embedding (and, the model being tied, output) row is
+    the mean of the rows of the pieces its text was, not of the whole vocabulary; a folder
+    converted one way is not silently reused for the other."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ray_forge.core.chat import CHAT_TOKENS, ChatFormat
+    from ray_forge.models.gguf import _add_tokens, convert, smollm2_gguf
+    from ray_forge.models.tiny import ModelError
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    before = model.get_input_embeddings().weight.detach().clone()
+    missing = [t for t in CHAT_TOKENS if t not in tokenizer.get_vocab()]
+    pieces = _add_tokens(model, tokenizer, missing)
+    assert sorted(pieces) == sorted(missing) and len(missing) == 4  # the four tags; <|im_start|> and <|im_end|> were there
+    rows = model.get_input_embeddings().weight
+    assert rows.shape[0] == before.shape[0] + 4 and model.get_output_embeddings().weight is rows
+    for token, ids in pieces.items():
+        assert len(ids) > 1
+        assert torch.equal(rows[tokenizer.convert_tokens_to_ids(token)], before[ids].mean(0)), token
+        assert not torch.allclose(rows[tokenizer.convert_tokens_to_ids(token)], before.mean(0))
+    assert ChatFormat(tokenizer).tool_tags == "tokens" and ChatFormat(tokenizer).stops.texts == ()
+    with pytest.raises(ModelError, match="converted with the tool tags as text"):
+        convert(smollm2_gguf(), smollm2, tool_tokens=True)
 
 
 def test_torchtitan_s_llama_model_gives_transformers_logits(smollm2):
@@ -82,7 +148,9 @@ def test_torchtitan_s_llama_model_gives_transformers_logits(smollm2):
 @pytest.mark.vllm
 def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ray_cluster):
     """The engine samples answers to held-out questions; one training step on them is pushed
-    from the TorchTitan rank to the engine; what the engine samples next, the trainer scores the same."""
+    from the TorchTitan rank to the engine; what the engine samples next, the trainer scores the same.
+    Before that: given a call up to its closing tag, the engine writes the tag as text and stops
+    with the token that completes it."""
     import asyncio
 
     import ray
@@ -90,6 +158,7 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
     from ray_forge.actors.policy import VLLMPolicy
     from ray_forge.actors.trainer import TrainerActor
     from ray_forge.actors.trainer_group import TrainerGroup
+    from ray_forge.core.chat import TOOL_CALL_CLOSE
     from ray_forge.core.episode import Sample
     from ray_forge.weights import StoreSpec, WeightStore
 
@@ -103,14 +172,20 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
     store = WeightStore.create(StoreSpec(name="smollm2-sync", transport="shm"))
     try:
         trainer.setup()
-        first = policy.generate_ids(prompts, [24] * len(prompts), chat.stop_ids, False, 11, 0)
+        ask = chat.render([{"role": "user", "content": "Use the python tool to compute 123*45."}], True)
+        call = chat.tokenizer.encode('<tool_call>{"name": "python", "arguments": {"code": "print(123*45)"}}',
+                                     add_special_tokens=False)
+        [closed] = policy.generate_ids([tuple(ask + call)], [24], chat.stops, True, None, 0)
+        assert chat.stopped(closed.response_ids) and len(closed.response_ids) < 24, chat.decode(closed.response_ids)
+        assert chat.decode(closed.response_ids).endswith(TOOL_CALL_CLOSE), chat.decode(closed.response_ids)
+        first = policy.generate_ids(prompts, [24] * len(prompts), chat.stops, False, 11, 0)
         samples = [Sample.completion(t.prompt_ids, t.response_ids, behaviour_logprobs=tuple(t.logprobs),
                                      advantage=1.0 if i % 2 else -1.0, policy_version=0)
                    for i, t in enumerate(first)]
         asyncio.run(trainer.train_step(samples))
         asyncio.run(trainer.publish_weights(store.spec, 1))
         policy.update_weights(store.spec, 1)
-        turns = policy.generate_ids(prompts, [24] * len(prompts), chat.stop_ids, False, 12, 1)
+        turns = policy.generate_ids(prompts, [24] * len(prompts), chat.stops, False, 12, 1)
         worst = 0.0
         for turn in turns:
             ids = list(turn.prompt_ids) + list(turn.response_ids)

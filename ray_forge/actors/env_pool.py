@@ -18,7 +18,7 @@ import ray
 
 from ray_forge.actors.rollout import RolloutSettings, request_seed
 from ray_forge.config.schema import EnvConfig
-from ray_forge.core.chat import ChatFormat
+from ray_forge.core.chat import ChatFormat, Stops
 from ray_forge.core.env import EnvSetup, StepResult, TextEnv
 from ray_forge.core.episode import Episode
 from ray_forge.identity import ActorId
@@ -153,9 +153,9 @@ class EnvPool:
     def _engine(self, policy, policy_id: ActorId, settings: RolloutSettings, groups: list[tuple[int, int]]):
         """The game loop's policy: calls of ``policy`` (an engine actor) under the rollout's timeout,
         text prompts in ``turns`` mode, token ids in ``sequence`` mode."""
-        async def generate(prompts: list, max_tokens: list[int], stop_ids: tuple[int, ...], call_index: int):
+        async def generate(prompts: list, max_tokens: list[int], stops: Stops, call_index: int):
             seed = None if settings.greedy else request_seed(groups, call_index)
-            ref = (policy.generate_ids.remote(prompts, max_tokens, stop_ids, settings.greedy, seed, settings.priority)
+            ref = (policy.generate_ids.remote(prompts, max_tokens, stops, settings.greedy, seed, settings.priority)
                    if self._chat is not None else policy.generate.remote(prompts, settings.greedy, seed, settings.priority))
             return await call(ref, timeout_s=settings.policy_timeout_s, what="generate", actor=policy_id)
 
@@ -179,7 +179,7 @@ class EnvPool:
                 ref = policy.generate.remote(prompts, True, None, -1)
             else:
                 ids = [tuple(self._chat.render([{"role": "user", "content": p}], True)) for p in prompts]
-                ref = policy.generate_ids.remote(ids, [greedy.rules.turn_tokens] * len(ids), self._chat.stop_ids, True,
+                ref = policy.generate_ids.remote(ids, [greedy.rules.turn_tokens] * len(ids), self._chat.stops, True,
                                                  None, -1)
             turns = get(ref, timeout_s=timeout_s, what="generate", actor=policy_id)
             return [turn.text if self._chat is None else self._chat.decode(turn.response_ids) for turn in turns]

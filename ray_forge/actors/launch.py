@@ -19,6 +19,7 @@ from ray_forge.actors.trainer_group import TrainerGroup
 from ray_forge.cluster.pools import Pools
 from ray_forge.config.schema import POOL_LABEL, GRPOConfig, JobConfig, TrainerConfig
 from ray_forge import identity
+from ray_forge.core.chat import TOOL_CALL_CLOSE, ChatFormat
 from ray_forge.core.env import EnvSetup
 from ray_forge.identity import ActorId, Role
 from ray_forge.remote import get
@@ -43,6 +44,8 @@ class Actors:
     pools: Pools
     model_dir: str = ""
     """The base model every engine, rank and the reference started from."""
+    tool_tags: str | None = None
+    """A sequence run's tool-call tags: ``text`` in the model's vocabulary, or ``tokens`` of their own."""
     _all: list = field(default_factory=list)
 
     def by_name(self) -> dict[str, object]:
@@ -79,10 +82,10 @@ def chat_tokenizer(model_dir: str):
     """The model folder's tokenizer, with its chat template; fails naming what is missing."""
     from transformers import AutoTokenizer
 
-    from ray_forge.core.chat import ChatFormat
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ChatFormat(tokenizer)  # a tokenizer without a template, or without the tokens it needs, stops here
+    chat = ChatFormat(tokenizer)  # a tokenizer without a template, or without the tokens it needs, stops here
+    log.info("tool-call tags: %s", "tokens of their own" if chat.tool_tags == "tokens" else
+             f"text in the model's vocabulary ({TOOL_CALL_CLOSE} is {len(tokenizer.encode(TOOL_CALL_CLOSE, add_special_tokens=False))} tokens)")
     return tokenizer
 
 
@@ -148,7 +151,8 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
     trainer_nodes = trainer.nodes
     transport = resolve_transport(config.weights.transport, trainer_nodes, policy_nodes)
     store = WeightStore.create(store_spec(config, store_name, transport))
-    actors = Actors(policies, envs, buffer, trainer, reference, store, pools, model_dir, handles)
+    actors = Actors(policies, envs, buffer, trainer, reference, store, pools, model_dir,
+                    tool_tags=tokenizer and ChatFormat(tokenizer).tool_tags, _all=handles)
     log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s, weights over %s",
              len(policies), len(ranks), num_params / 1e6, len(envs), reference is not None, transport)
     env_nodes = get([e.node_id.remote() for e in envs], timeout_s=60, what="env actors")

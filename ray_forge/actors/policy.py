@@ -20,6 +20,7 @@ import torch
 from ray_forge.actors.engine_loop import EngineLoop, token_versions
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import PolicyConfig
+from ray_forge.core.chat import Stops
 from ray_forge.core.episode import Answer, Answers
 from ray_forge.models.devices import require_dtype
 from ray_forge.weights import MixedWeights, StoreSpec, WeightSyncError
@@ -165,7 +166,7 @@ class VLLMPolicy:
         first batch of games: its step took 3 to 8 s longer than the next."""
         start = time.monotonic()
         prompt = (self.tokenizer.eos_token_id or 0,)  # any token: only the step itself matters
-        self.generate_ids([prompt], [self.config.max_tokens], (), greedy=True, priority=-1)
+        self.generate_ids([prompt], [self.config.max_tokens], Stops(), greedy=True, priority=-1)
         return time.monotonic() - start
 
     def _catch_up(self, store_name: str) -> None:
@@ -199,13 +200,13 @@ class VLLMPolicy:
         """One completion of up to ``policy.max_tokens`` per text prompt, in order (encoded
         without special tokens, each distinct prompt once); see :meth:`generate_ids`."""
         ids = [self._encode(p) for p in prompts]
-        return self.generate_ids(ids, [self.config.max_tokens] * len(ids), (), greedy, seed, priority)
+        return self.generate_ids(ids, [self.config.max_tokens] * len(ids), Stops(), greedy, seed, priority)
 
-    def generate_ids(self, prompts: list[tuple[int, ...]], max_tokens: list[int], stop_ids: tuple[int, ...] = (),
+    def generate_ids(self, prompts: list[tuple[int, ...]], max_tokens: list[int], stops: Stops = Stops(),
                      greedy: bool = False, seed: int | None = None, priority: int = 0) -> Answers:
         """One completion per prompt of token ids, in order, token in, token out: the prompt is
         given to the engine as it is, and each turn holds the ids sampled, the end-of-turn or
-        tool-call token it stopped at (``stop_ids``) included. Identical prompts become one
+        tool-call tag it stopped at (``stops``) included, as sampled. Identical prompts become one
         request with ``n`` samples, so the engine encodes each distinct prompt once. The requests
         join the engine's running batch; those of a call with a lower ``priority`` are scheduled
         before waiting ones of a higher (the driver's sync checks and evaluations use -1).
@@ -235,9 +236,12 @@ class VLLMPolicy:
                 # Draws: the engine's own sample is not used, and the request may serve other calls.
                 seed=None if seed is None or greedy or draws else (seed + i) % 2**63,
                 output_kind=RequestOutputKind.FINAL_ONLY,
-                stop_token_ids=list(stop_ids) or None,
+                stop_token_ids=list(stops.ids) or None,
+                # A tag written as text ends the turn with the token that completes it, kept.
+                stop=list(stops.texts) or None,
+                include_stop_str_in_output=True,
                 # Special tokens in the text too: a tool call's tags are what the env reads.
-                skip_special_tokens=not stop_ids,
+                skip_special_tokens=not stops,
                 skip_clone=True,  # made for this request alone: the engine need not deep-copy it
                 **constraint(key[1]),
             )

@@ -69,6 +69,19 @@ TINY_TEMPLATE_TEXT = ("system user assistant tool\n# Tools\n<tools>\n</tools>\n"
 _CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
 
 
+@dataclass(frozen=True)
+class Stops:
+    """Where the engine ends a turn: at one of ``ids`` (single tokens), or once its text holds one
+    of ``texts`` (a tag the tokenizer spells in several tokens, which may come in any split). The
+    token that completes a stop is kept, as sampled."""
+
+    ids: tuple[int, ...] = ()
+    texts: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.ids or self.texts)
+
+
 class ChatTemplateError(ValueError):
     """The tokenizer has no chat template, or lacks a token the format needs whole."""
 
@@ -125,14 +138,31 @@ class ChatFormat:
             raise ChatTemplateError("the tokenizer has no chat template: a multi-turn episode needs the model's own "
                                     "(tokenizer_config.json's chat_template, or chat_template.jinja)")
         vocab = tokenizer.get_vocab()
-        missing = [t for t in (END_OF_TURN, TOOL_CALL_OPEN, TOOL_CALL_CLOSE) if t not in vocab]
-        if missing:
-            raise ChatTemplateError(f"the tokenizer has no single token for {missing}: the engine could not stop at "
-                                    "the end of a tool call or a turn")
+        if END_OF_TURN not in vocab:
+            raise ChatTemplateError(f"the tokenizer has no single token for {END_OF_TURN}: the engine could not stop at "
+                                    "the end of a turn")
         self.tokenizer, self.tools = tokenizer, tools or None
         self.end_of_turn = vocab[END_OF_TURN]
-        self.stop_ids = (vocab[TOOL_CALL_CLOSE], self.end_of_turn)
+        self.tool_tags = "tokens" if all(t in vocab for t in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)) else "text"
+        """How the tool-call tags are written: as tokens of their own (a folder that added them), or
+        as text in the model's own vocabulary."""
+        close = (vocab[TOOL_CALL_CLOSE],) if self.tool_tags == "tokens" else ()
+        self.stops = Stops(ids=(*close, self.end_of_turn), texts=() if close else (TOOL_CALL_CLOSE,))
         """The engine stops at the end of a tool call and at the end of a turn."""
+
+    def stopped(self, ids: tuple[int, ...] | list[int]) -> bool:
+        """Whether a turn's sampled ``ids`` end where the engine stops (the end of a turn or of a
+        tool call), not at a token limit: its last token is a stop, or completes a stop's text."""
+        if not ids:
+            return False
+        if ids[-1] in self.stops.ids:
+            return True
+        for text in self.stops.texts:
+            tail = list(ids[-(len(text) + 1):])  # each character of a tag takes at most one token
+            before = self.tokenizer.decode(tail[:-1], skip_special_tokens=False)
+            if text in self.tokenizer.decode(tail, skip_special_tokens=False)[max(0, len(before) - len(text) + 1):]:
+                return True
+        return False
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=True,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Literal, Protocol, Sequence
 
 from ray_forge.config.schema import ToolConfig
-from ray_forge.core.chat import CHAT_TOKENS, ChatFormat, parse_tool_calls
+from ray_forge.core.chat import CHAT_TOKENS, ChatFormat, Stops, parse_tool_calls
 from ray_forge.core.env import TextEnv
 from ray_forge.core.episode import Episode, Turn
 from ray_forge.core.sequence import SequenceBuilder, TemplateRewrite
@@ -54,10 +54,10 @@ class EpisodeRules:
 
 
 class Policy(Protocol):
-    def __call__(self, prompts: list, max_tokens: list[int], stop_ids: tuple[int, ...], call: int) -> Awaitable[Sequence[Turn]]:
+    def __call__(self, prompts: list, max_tokens: list[int], stops: Stops, call: int) -> Awaitable[Sequence[Turn]]:
         """One completion per prompt, in order: ``turns`` mode gives observation texts (the engine
         encodes them), ``sequence`` mode token ids, each with its token budget and the ids that
-        end a turn. ``call`` counts this play's calls (the source of its sampling seed)."""
+        end a turn (:class:`Stops`). ``call`` counts this play's calls (the source of its sampling seed)."""
         ...
 
 
@@ -161,7 +161,7 @@ class Play:
         prompts = [g.next_prompt() for g in games]
         budgets = [min(self.rules.turn_tokens, self.limit - len(p)) if g.builder is not None else self.rules.turn_tokens
                    for g, p in zip(games, prompts)]
-        stops = self.chat.stop_ids if self.chat is not None else ()
+        stops = self.chat.stops if self.chat is not None else Stops()
         completions = await self.policy(prompts, budgets, stops, call)
         for game, turn in zip(games, completions, strict=True):
             game.turns.append(turn)
@@ -221,7 +221,7 @@ class Play:
         text = self.chat.decode(turn.response_ids)
         room = self.limit - len(game.builder)
         game.builder.add_model_turn(turn, text)
-        if len(turn.response_ids) >= room and (not turn.response_ids or turn.response_ids[-1] not in self.chat.stop_ids):
+        if len(turn.response_ids) >= room and not self.chat.stopped(turn.response_ids):
             # Cut off by the room left, not by the turn's own budget: no answer to judge.
             game.end(self.rules.penalty, truncated=f"no room left in {self.limit} tokens")
             return

@@ -156,7 +156,7 @@ def assistant_ids(chat: ChatFormat, before: list[dict], message: dict) -> tuple[
                         "own generation prompt; it cannot be trained as sampled tokens")
     rest = whole[len(prompt):]
     end = rest.index(chat.end_of_turn) + 1 if chat.end_of_turn in rest else len(rest)
-    if end >= 2 and rest[end - 1] == chat.end_of_turn and rest[end - 2] in chat.stop_ids:
+    if end >= 2 and rest[end - 1] == chat.end_of_turn and chat.stopped(rest[:end - 1]):
         end -= 1  # the engine stops at the end of a tool call; the end of turn after it is given, not sampled
     return tuple(rest[:end])
 

@@ -26,7 +26,7 @@ def summarize(run: Run, env: EnvSetup, actors: Actors, fleet: Fleet, progress: P
     # The fleet's counters at the end (after settle): a node Ray declared dead after the last step shows here.
     summary = dict(final, **final_row, **fleet.stats(), run_dir=str(run.run_dir), steps=run.config.run.steps, policy_versions=versions,
                    engines_lost=[str(name) for name in sorted(fleet.lost)],
-                   weight_transport=actors.store.spec.transport, weight_route=route,
+                   weight_transport=actors.store.spec.transport, weight_route=route, tool_tags=actors.tool_tags,
                    pictures=[str(p) for p in pictures],
                    final_weights=f"moving average (trainer.ema_decay {run.config.trainer.ema_decay})"
                    if run.config.trainer.ema_decay else "last step",
