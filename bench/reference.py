@@ -34,8 +34,8 @@ from ray_forge.actors.policy import action_token_ids
 from ray_forge.actors.trainer import lr_factor
 from ray_forge.config import load_config
 from ray_forge.config.schema import JobConfig
-from ray_forge.core.algorithm import grpo_loss, loss_normalizer, token_logprobs_and_entropy
-from ray_forge.core.batch import collate, distinct_forward, groups_to_samples
+from ray_forge.core.algorithm import grpo_loss, loss_normalizer
+from ray_forge.core.batch import collate, groups_to_samples, sampled_logprobs
 from ray_forge.core.episode import Episode, Turn
 from ray_forge.models.tiny import make_tiny_qwen3
 
@@ -106,9 +106,8 @@ def train_step(player: Player, optimizer, config: JobConfig, groups: list[list[E
     if samples:
         batch = collate(samples)
         normalizer = loss_normalizer(batch.mask_BT, batch.weights_B, config.grpo.token_aggregation)
-        logits = distinct_forward(lambda inputs: player.model(inputs).logits, batch.inputs_BT)
-        logprobs, entropy = token_logprobs_and_entropy(logits, batch.targets_BT, player.allowed, player.temperature)
-        logprobs = torch.where(batch.mask_BT > 0, logprobs, torch.zeros_like(logprobs))
+        logprobs, entropy = sampled_logprobs(lambda inputs, rows: player.model(inputs).logits[rows], batch.inputs_BT,
+                                             batch.targets_BT, batch.mask_BT, player.allowed, player.temperature)
         terms = grpo_loss(logprobs, batch.behaviour_logprobs_BT, batch.advantages_B, batch.mask_BT,
                           clip_eps=config.grpo.clip_eps, weights_B=batch.weights_B, entropy_BT=entropy,
                           entropy_coef=config.grpo.entropy_coef, aggregation=config.grpo.token_aggregation,

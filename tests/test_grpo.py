@@ -200,38 +200,47 @@ def test_an_episode_pickled_before_its_newer_fields_loads_with_their_defaults():
     assert pickle.loads(pickle.dumps(old)) == old
 
 
-def test_a_forward_over_distinct_rows_gives_every_row_its_logits_and_gradient():
-    """Rows that share an input run once; each row gets the logits a forward of its own gives,
-    and the parameters the gradient of the whole batch."""
-    from ray_forge.core.batch import distinct_forward
+def test_sampled_logprobs_run_each_distinct_row_once_and_the_head_only_where_a_row_reads():
+    """Rows that share an input run once, and the head sees only the positions some row's mask
+    reads; each row gets the logprobs and entropies, and the parameters the gradient, that a
+    full forward of every row gives."""
+    from ray_forge.core.algorithm import token_logprobs_and_entropy
+    from ray_forge.core.batch import sampled_logprobs
 
     torch.manual_seed(0)
     embed, head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 5)
     seen = []
 
-    def forward(inputs_BT):
-        seen.append(len(inputs_BT))
-        return head(torch.tanh(embed(inputs_BT).cumsum(1)))
+    def body(inputs_BT):
+        return torch.tanh(embed(inputs_BT).cumsum(1))
+
+    def forward_at(inputs_DT, rows_DT):
+        seen.append((len(inputs_DT), int(rows_DT.sum())))
+        return head(body(inputs_DT)[rows_DT])
 
     inputs = torch.tensor([[1, 2, 3], [4, 5, 0], [1, 2, 3], [1, 2, 3], [4, 5, 6]])
     targets = torch.tensor([[2, 3, 1], [0, 2, 0], [2, 3, 4], [2, 3, 1], [1, 4, 2]])
-    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5])  # rows alike in input, unlike in target and weight
+    mask = torch.tensor([[0, 0, 1], [0, 1, 0], [0, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=torch.float32)
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5])  # rows alike in input, unlike in target, mask and weight
+    allowed = torch.tensor([0, 1, 2, 3, 4])
 
-    def loss_and_grads(logits):
-        loss = (torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0].sum(1) * weights).sum()
+    def loss_and_grads(logprobs, entropy):
+        loss = ((logprobs + 0.1 * entropy) * mask).sum(1).mul(weights).sum()
         loss.backward()
         grads = [p.grad.clone() for p in (*embed.parameters(), *head.parameters())]
         for p in (*embed.parameters(), *head.parameters()):
             p.grad = None
         return loss.item(), grads
 
-    plain = forward(inputs)
-    shared = distinct_forward(forward, inputs)
-    assert seen == [5, 3]  # three distinct rows, run once each
-    torch.testing.assert_close(shared, plain)
-    (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(plain), loss_and_grads(shared)
+    full = token_logprobs_and_entropy(head(body(inputs)), targets, allowed, 0.7)
+    full = tuple(torch.where(mask > 0, t, torch.zeros_like(t)) for t in full)
+    shared = sampled_logprobs(forward_at, inputs, targets, mask, allowed, 0.7)
+    assert seen == [(3, 6)]  # three distinct rows, run once each; the head at 6 of their 9 positions
+    for a, b in zip(full, shared):
+        torch.testing.assert_close(b, a)
+    (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(*full), loss_and_grads(*shared)
     assert loss_b == pytest.approx(loss_a, rel=1e-6) and any(g.abs().sum() > 0 for g in grads_a)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(b, a)
-    distinct = torch.tensor([[1, 2], [3, 4]])
-    assert distinct_forward(forward, distinct).shape == (2, 2, 5) and seen[-1] == 2  # nothing to share: as is
+    nothing = sampled_logprobs(forward_at, inputs[:1], targets[:1], torch.zeros(1, 3))  # a padding row
+    assert seen[-1] == (1, 0) and all(t.abs().sum() == 0 for t in nothing)

@@ -99,6 +99,37 @@ def _stop(group, ranks):
         ray.kill(r)
 
 
+def test_the_loss_gets_from_a_head_at_sampled_positions_only_the_logprobs_a_full_forward_gives(ray_cluster,
+                                                                                               tiny_model_dir):
+    """The trainer applies its output head only where a loss is read (a hook inside the FSDP
+    forward). Behaviour logprobs taken from its full-head scoring (``score``): the loss's own
+    logprobs equal them, on rows with several sampled tokens, rows sharing a prompt, and more
+    rows than one micro-batch."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from envs.blackjack import BlackjackTextEnv
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tuple(tokenizer.encode(BlackjackTextEnv().reset(seed % 7), add_special_tokens=False)) for seed in range(12)]
+    pairs = [(p, prompts[(i + 3) % 12][i % 4:i % 4 + 1 + i % 3]) for i, p in enumerate(prompts)]  # 1-3 tokens each
+    rank = TrainerActor.options(num_cpus=0.5).remote(
+        tiny_configs.trainer(lr=1e-3, micro_batch_size=5), model_dir=tiny_model_dir,
+        grpo=tiny_configs.grpo(entropy_coef=0.01), total_steps=1, rank=0, allowed_token_ids=None, temperature=0.7)
+    group = TrainerGroup([rank], timeout_s=300)
+    try:
+        group.setup()
+        scored = ray.get(rank.score.remote(pairs), timeout=300)
+        samples = [Sample.completion(p, r, behaviour_logprobs=s.logprobs, advantage=1.0 if i % 2 else -1.0,
+                                     policy_version=0) for i, ((p, r), s) in enumerate(zip(pairs, scored))]
+        stats = asyncio.run(group.train_step(samples))
+    finally:
+        group.shutdown()
+        ray.kill(rank)
+    assert stats["logprob_diff"] < 1e-6 and stats["ratio_mean"] == pytest.approx(1.0, abs=1e-6), stats
+    assert stats["num_tokens"] == sum(len(r) for _, r in pairs) and stats["entropy"] > 0
+
+
 def test_two_rank_checkpoint_resumes_bit_for_bit_and_a_nan_step_is_skipped(ray_cluster, tiny_model_dir, tmp_path):
     """Model and optimizer shards of 2 FSDP2 ranks through DCP: a fresh pair that loads them takes
     the next step exactly as the pair that wrote them. A NaN loss skips the update and no more."""

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from ray_forge.config.schema import GRPOConfig, TrainerConfig
 from ray_forge.core.algorithm import TOKEN_STATS as STATS
 from ray_forge.core.algorithm import grpo_loss, loss_normalizer, sft_loss, token_logprobs_and_entropy
-from ray_forge.core.batch import PackedBatch, TensorBatch, collate, collate_packed, distinct_forward
+from ray_forge.core.batch import PackedBatch, TensorBatch, collate, collate_packed, sampled_logprobs
 from ray_forge.core.checkpoint import TRAINER_DIR, rank_file
 from ray_forge.core.episode import Sample, Scored
 from ray_forge.models.devices import require_dtype
@@ -59,6 +59,8 @@ class TitanTrainer:
         self.version = 0
         torch.set_num_threads(config.resources.threads)
         self.model = self.adapter = self.optimizer = self.scheduler = None
+        self._head_rows: torch.Tensor | None = None
+        """Set during ``_forward_at``: the positions the output head is applied at."""
         self.average: dict[str, torch.Tensor] | None = None
         """The moving average of the weights (``trainer.ema_decay``), sharded like them."""
         self.store: WeightStore | None = None
@@ -74,6 +76,7 @@ class TitanTrainer:
                                 world_size=self.world_size)
         require_dtype(self.cfg.dtype, self.device, "trainer.dtype")
         self.model, self.adapter = build_sharded_decoder(self.model_dir, self.world_size, self.device, self.cfg.dtype)
+        self.model.lm_head.register_forward_pre_hook(self._head_only_at_rows)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -159,12 +162,22 @@ class TitanTrainer:
                 module.reshard()
         return self.model.named_parameters()
 
+    def _forward_at(self, inputs_DT: torch.Tensor, rows_DT: torch.Tensor) -> torch.Tensor:
+        """The model's logits at ``rows_DT``'s positions only (``sampled_logprobs``' forward)."""
+        self._head_rows = rows_DT
+        try:
+            return self.model(inputs_DT)
+        finally:
+            self._head_rows = None
+
+    def _head_only_at_rows(self, module, args):
+        # Inside the model's forward, where FSDP has gathered the head's weight: it sees the
+        # hidden states of the chosen positions only.
+        return None if self._head_rows is None else (args[0][self._head_rows],)
+
     def _loss(self, micro: TensorBatch, normalizer: torch.Tensor):
-        logits_BTV = distinct_forward(self.model, micro.inputs_BT)
-        logprobs_BT, entropy_BT = token_logprobs_and_entropy(logits_BTV, micro.targets_BT, self.allowed,
-                                                            self.temperature)
-        # Padding rows and prompt positions are masked; keep their -inf/NaN out of the graph.
-        logprobs_BT = torch.where(micro.mask_BT > 0, logprobs_BT, torch.zeros_like(logprobs_BT))
+        logprobs_BT, entropy_BT = sampled_logprobs(self._forward_at, micro.inputs_BT, micro.targets_BT, micro.mask_BT,
+                                                   self.allowed, self.temperature)
         return grpo_loss(
             logprobs_BT, micro.behaviour_logprobs_BT, micro.advantages_B, micro.mask_BT,
             clip_eps=self.grpo.clip_eps, weights_B=micro.weights_B,

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ray_forge.core.algorithm import RewardScale, group_advantages
+from ray_forge.core.algorithm import RewardScale, group_advantages, token_logprobs_and_entropy
 from ray_forge.core.episode import Episode, Sample, episodes_to_samples, merge_identical
 from ray_forge.core.play import episode_metrics
 
@@ -60,16 +60,33 @@ def collate(samples: list[Sample], pad_id: int = 0) -> TensorBatch:
     )
 
 
-def distinct_forward(forward: Callable[[torch.Tensor], torch.Tensor], inputs_BT: torch.Tensor) -> torch.Tensor:
-    """``forward(inputs_BT)``, each distinct input row run once. Merged samples of one state share
-    their input and differ only in the sampled token they predict or their advantage's sign: in
-    a BlackJack batch half the rows repeat another's input (119 distinct of 250 at step 160), and
-    the tiny model's training step is its forward and backward. Gradients flow back through the
-    gather, summed over the rows that share an input, as if each had run its own."""
-    distinct, inverse = torch.unique(inputs_BT, dim=0, return_inverse=True)
-    if len(distinct) == len(inputs_BT):
-        return forward(inputs_BT)
-    return forward(distinct)[inverse]
+HeadForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``forward(inputs_DT, rows_DT)``: the model on ``inputs_DT``, its output head applied only at
+the positions where ``rows_DT`` is true (``[N, V]``, in row-major order)."""
+
+
+def sampled_logprobs(forward: HeadForward, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.Tensor,
+                     allowed_ids: torch.Tensor | None = None,
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sampled target's logprob and its distribution's entropy (``token_logprobs_and_entropy``)
+    where ``mask_BT`` is set, zero elsewhere; gradients flow as if each row ran its own forward.
+
+    Two savings, both exact. Each distinct input row runs once: merged samples of one state share
+    their input and differ only in the token they predict or their advantage's sign (in a BlackJack
+    batch half the rows repeat another's input). And the output head runs only at the positions
+    some row reads: a one-token answer reads one position of its prompt, and a full head at every
+    position costs a vocabulary-wide row each (49k floats for SmolLM2), several copies over."""
+    read_BT = mask_BT > 0
+    distinct_DT, inverse_B = torch.unique(inputs_BT, dim=0, return_inverse=True)
+    need_DT = torch.zeros(distinct_DT.shape, dtype=torch.long, device=inputs_BT.device)
+    need_DT = need_DT.index_add_(0, inverse_B, read_BT.long()) > 0
+    slot_DT = need_DT.flatten().cumsum(0).view_as(need_DT) - 1  # each needed position's row in the head's output
+    logits_NV = forward(distinct_DT, need_DT)
+    logprobs_M, entropy_M = token_logprobs_and_entropy(logits_NV[slot_DT[inverse_B][read_BT]], targets_BT[read_BT],
+                                                       allowed_ids, temperature)
+    where = read_BT.nonzero(as_tuple=True)
+    zeros_BT = logprobs_M.new_zeros(read_BT.shape)
+    return zeros_BT.index_put(where, logprobs_M), zeros_BT.index_put(where, entropy_M)
 
 
 def response_logprobs(batch: TensorBatch, logprobs_BT: torch.Tensor) -> list[tuple[float, ...]]:
