@@ -49,6 +49,12 @@ def test_dotted_overrides_are_typed():
         config.trainer.lr = 1.0  # frozen
 
 
+def test_a_trainer_may_run_more_torch_threads_than_the_cpus_it_holds():
+    default = load_config(JobConfig, None, ["trainer.resources.num_cpus=0.75"])
+    more = load_config(JobConfig, None, ["trainer.resources.num_cpus=0.75", "trainer.resources.threads=2"])
+    assert (default.trainer.resources.torch_threads, more.trainer.resources.torch_threads) == (1, 2)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -61,6 +67,8 @@ def test_dotted_overrides_are_typed():
         ("policy.resources.pool=tpu", "policy.resources.pool"),
         ("trainer.lr", "must look like section.key=value"),
         ("trainer.lr.x=1", "trainer.lr: expected float"),
+        ("policy.resources.threads=2", "policy.resources.threads is for the trainer and the reference"),
+        ("env.resources.threads=2", "env.resources.threads is for the trainer and the reference"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):

@@ -17,7 +17,7 @@ class ReferenceModel:
 
     def __init__(self, config: ReferenceConfig, *, model_dir: str, allowed_token_ids: list[int] | None,
                  temperature: float = 1.0, micro_batch_size: int = 4096) -> None:
-        torch.set_num_threads(config.resources.threads)
+        torch.set_num_threads(config.resources.torch_threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, _ = build_decoder(model_dir, self.device)
         self.model.eval()

@@ -57,7 +57,7 @@ class TitanTrainer:
         self.temperature = temperature
         self.device = device_type()
         self.version = 0
-        torch.set_num_threads(config.resources.threads)
+        torch.set_num_threads(config.resources.torch_threads)
         self.model = self.adapter = self.optimizer = self.scheduler = None
         self._head_rows: torch.Tensor | None = None
         """Set during ``_forward_at``: the positions the output head is applied at."""

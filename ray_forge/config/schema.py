@@ -86,6 +86,10 @@ class Resources:
     """GPUs reserved for the actor's bundle. auto: in the gpu pool, one (an engine:
     ``policy.tensor_parallel_size``) when the cluster has GPUs, none when it has none (CPU bundles
     stand in); in the cpu pool, none."""
+    threads: int = at_least(0, 0)
+    """Torch threads of the actor (trainer and reference); 0: its ``num_cpus``, rounded down, at
+    least one. More than it holds suits an actor that works while the others wait: a trainer under
+    ``buffer.fixed_lag``, when the engines are idle while it trains."""
 
     def resolved(self, gpus: bool, count: int = 1) -> Resources:
         """These resources with ``num_gpus: auto`` decided: ``count`` GPUs in the gpu pool of a
@@ -95,9 +99,9 @@ class Resources:
         return replace(self, num_gpus=float(count) if gpus and self.pool == "gpu" else 0.0)
 
     @property
-    def threads(self) -> int:
-        """Torch threads of an actor holding these CPUs (at least one)."""
-        return max(1, int(self.num_cpus))
+    def torch_threads(self) -> int:
+        """``threads``, or those of an actor holding these CPUs (at least one)."""
+        return self.threads or max(1, int(self.num_cpus))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -518,6 +522,10 @@ class JobConfig:
             raise ConfigError(f"buffer.capacity_games ({self.buffer.capacity_games}) is smaller than a step's "
                               f"{self.grpo.games_per_step} games (grpo.prompts_per_step x grpo.samples_per_prompt): "
                               "no batch could ever be sampled")
+        for section in ("policy", "env"):
+            if getattr(self, section).resources.threads:
+                raise ConfigError(f"{section}.resources.threads is for the trainer and the reference; the {section} "
+                                  "actors' threads follow their num_cpus")
         members = identity.all_of(Role.ENV, self.env.num_actors) + identity.all_of(Role.POLICY, self.policy.num_replicas)
         for target in self.chaos.targets:
             if not any(member.matches((target,)) for member in members):
