@@ -15,6 +15,24 @@ def test_render_shows_the_cards_that_matter():
     assert "hard" in render_state(State(9, 10, False)) and "10" in render_state(State(9, 10, False))
 
 
+def test_the_action_words_are_an_option_every_prompt_and_the_evaluation_offer():
+    """``env.options.blackjack.words``: a model whose tokenizer splits HIT (SmolLM2's) is asked
+    with one-token words; the env, its evaluation and the engine's constraint all use them."""
+    from envs.blackjack import BlackjackOptions, SPEC
+    from envs.blackjack.policy_eval import evaluate
+
+    options = BlackjackOptions(words=("hit", "stick"))
+    env = SPEC.factory(options, -1.0)()
+    assert env.action_words == ("hit", "stick")
+    assert env.reset(3).endswith(". hit or stick?") and all(p.endswith("hit or stick?") for p in SPEC.probe_prompts(options))
+    asked = []
+    result = evaluate(lambda prompts: asked.extend(prompts) or ["stick"] * len(prompts), words=options.words)
+    assert len(asked) == 360 and all(p.endswith(". hit or stick?") for p in asked) and result["hit_states"] == 0
+    for words in [("stick", "hit"), ("HIT",), ("go", "stop")]:
+        with pytest.raises(ValueError, match="a way to say hit and then one to say stick"):
+            BlackjackOptions(words=words)
+
+
 @pytest.mark.parametrize("text, action", [
     ("HIT", 1), ("stick", 0), (" Stand.", 0), ('"Hit!"', 1), ("hit me", 1), ("\n STICK, please", 0),
     ("\u201cSTICK\u201d", 0), ("HIT, HIT!", 1), ("STICK: standing is safer", 0),

@@ -52,10 +52,18 @@ class _Hand:
         return self.cards_sum + 10 if self.usable_ace else self.cards_sum
 
 
-def render_state(state: State) -> str:
+def render_state(state: State, words: tuple[str, str] = ACTION_WORDS) -> str:
+    """The prompt of ``state``, offering the action ``words`` (hit's, then stick's)."""
     dealer = "A" if state.dealer_card == 1 else str(state.dealer_card)
     hand = "soft" if state.usable_ace else "hard"
-    return f"Your sum is {state.player_sum}, {hand}. Dealer shows {dealer}. HIT or STICK?"
+    return f"Your sum is {state.player_sum}, {hand}. Dealer shows {dealer}. {words[0]} or {words[1]}?"
+
+
+def check_words(words: tuple[str, str]) -> None:
+    """Action words ``parse_action`` reads as hit and as stick, in that order."""
+    if len(words) != 2 or parse_action(words[0]) != 1 or parse_action(words[1]) != 0:
+        raise ValueError(f"words = {list(words)}: they must be two, a way to say hit and then one to say stick "
+                         "(hit, stick or stand, in any case)")
 
 
 def parse_action(text: str) -> int | None:
@@ -84,10 +92,10 @@ class BlackjackTextEnv(TextEnv):
     ``envs.blackjack.cards``: the same rules and card odds, so the same exact values, without a
     NumPy call per card. ``reset_all`` deals a whole batch of games in one call."""
 
-    action_words = ACTION_WORDS
-
-    def __init__(self, invalid_action_penalty: float = DEFAULT_PENALTY) -> None:
+    def __init__(self, invalid_action_penalty: float = DEFAULT_PENALTY, words: tuple[str, str] = ACTION_WORDS) -> None:
+        check_words(words)
         self._penalty = invalid_action_penalty
+        self.action_words = tuple(words)
         self.state: State | None = None
         self._seed, self._cards, self._next = 0, [], 0
         self._player = self._dealer = _Hand(0)  # dealt by reset
@@ -106,7 +114,7 @@ class BlackjackTextEnv(TextEnv):
         self._seed, self._cards, self._next = seed, cards, 0
         self._player, self._dealer = _Hand(self._draw(), self._draw()), _Hand(self._draw(), self._draw())
         self.state = self._observe()
-        return render_state(self.state)
+        return render_state(self.state, self.action_words)
 
     def _draw(self) -> int:
         if self._next == len(self._cards):  # a long game: the next cards of the same stream
@@ -126,7 +134,7 @@ class BlackjackTextEnv(TextEnv):
             self._player.add(self._draw())
             if self._player.total <= 21:
                 self.state = self._observe()
-                return StepResult(render_state(self.state), 0.0, False, {"action": action})
+                return StepResult(render_state(self.state, self.action_words), 0.0, False, {"action": action})
             reward = -1.0
         else:
             while self._dealer.total < 17:
@@ -137,8 +145,8 @@ class BlackjackTextEnv(TextEnv):
         return StepResult(outcome_text(reward), reward, True, {"action": action})
 
     @staticmethod
-    def corpus() -> list[str]:
+    def corpus(words: tuple[str, str] = ACTION_WORDS) -> list[str]:
         """Every text the env can show or accept, to build a tokenizer for a model made from scratch."""
-        texts = [render_state(State(p, d, a)) for p in range(4, 22) for d in range(1, 11) for a in (False, True)]
-        texts += [outcome_text(r) for r in (-1.0, 0.0, 1.0)] + list(ACTION_WORDS)
+        texts = [render_state(State(p, d, a), words) for p in range(4, 22) for d in range(1, 11) for a in (False, True)]
+        texts += [outcome_text(r) for r in (-1.0, 0.0, 1.0)] + list(words)
         return texts
