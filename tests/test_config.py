@@ -69,11 +69,12 @@ def test_a_trainer_may_run_more_torch_threads_than_the_cpus_it_holds():
         ("trainer.lr.x=1", "trainer.lr: expected float"),
         ("policy.resources.threads=2", "policy.resources.threads is for the trainer and the reference"),
         ("env.resources.threads=2", "env.resources.threads is for the trainer and the reference"),
+        ("policy.chat_prompts=true env.episode.mode=sequence", "policy.chat_prompts is for text prompts"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        load_config(JobConfig, None, [override])
+        load_config(JobConfig, None, override.split())
 
 
 def test_malformed_yaml_is_a_clear_error(tmp_path):

@@ -150,7 +150,8 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
     """The engine samples answers to held-out questions; one training step on them is pushed
     from the TorchTitan rank to the engine; what the engine samples next, the trainer scores the same.
     Before that: given a call up to its closing tag, the engine writes the tag as text and stops
-    with the token that completes it."""
+    with the token that completes it; and (``policy.chat_prompts``) a text prompt is asked as a
+    user turn of SmolLM2's template."""
     import asyncio
 
     import ray
@@ -163,8 +164,8 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
     from ray_forge.weights import StoreSpec, WeightStore
 
     chat, prompts = _prompts(smollm2, 4)
-    policy = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=24, max_model_len=512, kv_cache_mb=128),
-                        model_dir=str(smollm2), action_words=None)
+    policy = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=24, max_model_len=512, kv_cache_mb=128,
+                                            chat_prompts=True), model_dir=str(smollm2), action_words=None)
     rank = TrainerActor.options(num_cpus=0.5).remote(tiny_configs.trainer(lr=1e-5, micro_batch_size=2),
                                                      model_dir=str(smollm2), grpo=tiny_configs.grpo(), total_steps=2, rank=0,
                                                      allowed_token_ids=None)
@@ -176,6 +177,10 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
         call = chat.tokenizer.encode('<tool_call>{"name": "python", "arguments": {"code": "print(123*45)"}}',
                                      add_special_tokens=False)
         [closed] = policy.generate_ids([tuple(ask + call)], [24], chat.stops, True, None, 0)
+        [asked] = policy.generate(["Hit or stick?"], greedy=True)
+        assert chat.tokenizer.decode(asked.prompt_ids) == (
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nHit or stick?<|im_end|>\n<|im_start|>assistant\n") and asked.response_ids
         assert chat.stopped(closed.response_ids) and len(closed.response_ids) < 24, chat.decode(closed.response_ids)
         assert chat.decode(closed.response_ids).endswith(TOOL_CALL_CLOSE), chat.decode(closed.response_ids)
         first = policy.generate_ids(prompts, [24] * len(prompts), chat.stops, False, 11, 0)

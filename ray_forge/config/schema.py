@@ -187,6 +187,10 @@ class PolicyConfig:
     instead of ``n`` sequences through vLLM's sampler. The same distribution and the engine's own
     logprobs, at one forward per distinct prompt. Greedy answers (evaluation, the sync check) are
     that distribution's most likely token, from the same request. Ignored for longer completions."""
+    chat_prompts: bool = False
+    """An env's text prompts (``env.episode.mode: turns``) go to the engine as a user turn of the
+    model's own chat template, then its generation prompt, as an instruct model is used to being
+    asked; false: as plain text. Either way the trainer trains on the ids the engine was given."""
     max_model_len: int = at_least(2, 4096)
     """Longest prompt plus completion, in tokens, an engine serves."""
     kv_cache_mb: int = at_least(1, 4096)
@@ -522,6 +526,9 @@ class JobConfig:
             raise ConfigError(f"buffer.capacity_games ({self.buffer.capacity_games}) is smaller than a step's "
                               f"{self.grpo.games_per_step} games (grpo.prompts_per_step x grpo.samples_per_prompt): "
                               "no batch could ever be sampled")
+        if self.policy.chat_prompts and self.env.episode.mode == "sequence":
+            raise ConfigError("policy.chat_prompts is for text prompts (env.episode.mode: turns); a sequence episode "
+                              "is rendered by the chat template already")
         for section in ("policy", "env"):
             if getattr(self, section).resources.threads:
                 raise ConfigError(f"{section}.resources.threads is for the trainer and the reference; the {section} "
