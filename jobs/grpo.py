@@ -175,7 +175,8 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
     closing: asyncio.Task | None = None
     try:
         if config.run.eval_before_train and progress.step == 0:
-            (result, row), eval_s = await timed(fleet.evaluate(settings), "eval_s")
+            (result, row), eval_s = await beside(guards, timed(fleet.evaluate(settings), "eval_s"),
+                                                 "the evaluation before training")
             await checkpoints.keep_evaluation(actors, progress, 0, result, row)
             metrics.log(0, **row, **eval_s)
         for step in range(progress.step + 1, config.run.steps + 1):
@@ -198,8 +199,10 @@ async def train(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fleet, 
                 # Now, before the next batch leaves the buffer (its row is written back on resume if lost).
                 progress.counts = {k: row[k] for k in CARRIED}
                 row["checkpoint_s"] = await checkpoints.save(actors, progress)
-            closing = asyncio.create_task(close_step(config, env, actors, fleet, checkpoints, progress, metrics,
-                                                     step, row, step_start))
+            # Raced against the guards too: an evaluation waiting for a lost engine must not keep a
+            # lost trainer unnoticed (the loop awaits this close before it next calls the trainer).
+            closing = asyncio.create_task(beside(guards, close_step(config, env, actors, fleet, checkpoints, progress,
+                                                                    metrics, step, row, step_start), f"step {step} closed"))
             if config.run.keep_best:  # a best policy is saved from the trainer, before it trains on
                 await closing
         if closing is not None:

@@ -120,6 +120,35 @@ def test_a_dead_trainer_stops_the_job_with_one_line_and_the_resume_command(ray_c
     assert "Traceback" not in stderr, stderr[max(0, stderr.find("Traceback") - 1500):][:4000]  # the whole of it, to find its source
 
 
+def test_a_trainer_lost_while_the_driver_waits_for_an_evaluation_stops_the_run_at_once(ray_cluster, tmp_path):
+    """A step's evaluation is waited for before the next step trains, and may wait long (for an
+    engine that is down). A trainer lost meanwhile is seen by the trainer's watch: the run stops
+    on it within seconds, not when the evaluation ends. Here the evaluation kills the trainer and
+    never ends (seen in test_node_loss under load: a lost gpu node's engine held the evaluation
+    for the 300 s capacity wait, and the run stopped on that instead of the trainer)."""
+    import time
+
+    from envs import registry
+    from jobs import grpo
+    from ray_forge.run.command_line import RunStopped
+    from stalled_eval_env import SPEC
+
+    killed_at = tmp_path / "killed_at"
+    registry.register(SPEC)
+    try:
+        with pytest.raises(RunStopped) as stopped:
+            grpo.main(["--config", str(ROOT / "jobs/configs/blackjack_tiny.yaml"), f"run.output_dir={tmp_path}",
+                       "env.name=stalled_eval", f"env.options.stalled_eval.killed_at={killed_at}", "env.max_turns=1",
+                       "run.steps=3", "run.eval_every=1", "grpo.prompts_per_step=8", "run.progress=false",
+                       "model.tiny.num_layers=2", "cluster.include_dashboard=false", "policy.kv_cache_mb=64"])
+        ended = time.time()
+    finally:
+        del registry.SPECS[SPEC.name]
+    message = str(stopped.value)
+    assert message.startswith("trainer-0.") and "the actor died" in message, message
+    assert ended - float(killed_at.read_text()) < 30, (ended - float(killed_at.read_text()), message)
+
+
 class _StillFleet:
     """A fleet whose plays finish only when the test says: the monkey's pacing, without actors."""
 
