@@ -1,8 +1,9 @@
 # Two commands do all set-up on a fresh Linux x86_64 machine with Python 3.11:
 #   make demo   # BlackJack GRPO on an embedded local Ray cluster
 #   make test   # the test suite
-# and a third demo, on the same venv:
+# and more demos, on the same venv:
 #   make demo-tools   # a tiny model learns to use the python tool: SFT warm start, then GRPO
+#   make demo-real    # SmolLM2-135M-Instruct (a real pretrained model) learns BlackJack
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,8 @@ TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 ARGS ?=
 
-.PHONY: demo demo-tools test test-fast venv clean
+.PHONY: demo demo-tools demo-real test test-fast venv clean
+SMOLLM2 := models/smollm2-135m
 
 venv: $(VENV)/.installed
 
@@ -38,6 +40,10 @@ demo: venv
 demo-tools: venv
 	$(BIN)/python jobs/demo_tools.py $(ARGS)
 
+demo-real: venv
+	$(BIN)/python -m ray_forge.models.gguf --smollm2 --out $(SMOLLM2)   # once; reused after
+	$(BIN)/python jobs/grpo.py --config jobs/configs/blackjack_smollm2.yaml model.path=$(SMOLLM2) $(ARGS)
+
 test: venv
 	$(BIN)/python -m pytest -q -ra tests $(ARGS)
 
@@ -45,4 +51,4 @@ test-fast: venv
 	$(BIN)/python -m pytest -q -ra -m "not slow" tests $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs models
