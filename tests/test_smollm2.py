@@ -206,3 +206,38 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
         ray.kill(rank)
         store.destroy()
         policy.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_make_demo_real_runs_two_steps_and_writes_what_the_tiny_demo_writes(smollm2, ray_cluster, tmp_path):
+    """``make demo-real`` (its conversion reused), 2 small steps on the session's cluster: the
+    zero-shot policy evaluated as step 0, one-token hit/stick answers drawn per distinct state, the
+    run's own sync check within fp32's tolerance, and the summary, pictures and final policy."""
+    import os
+    import subprocess
+    import sys
+
+    from ray_forge.observe.metrics import read_metrics
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
+    args = " ".join([f"run.output_dir={tmp_path}", "run.steps=2", "run.eval_every=2", "grpo.prompts_per_step=16",
+                     "env.options.blackjack.mc_games=200", "run.progress=false", "cluster.include_dashboard=false"])
+    # -o: the venv counts as made (a Makefile edited after it was built would remake it)
+    proc = subprocess.run(["make", "-o", ".venv/.installed", "demo-real", f"BIN={Path(sys.executable).parent}",
+                           f"SMOLLM2={smollm2}", f"ARGS={args}"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    run_dir = Path(summary["run_dir"])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval_return" in rows[0]  # zero-shot first
+    assert -1.0 <= rows[0]["eval_return"] <= 1.0 and rows[-1]["version"] == 2
+    assert summary["sync_greedy_agreement"] == 1.0 and summary["sync_logprob_max_diff"] < SYNC_TOLERANCE, summary
+    assert summary["weight_transport"] == "shm" and summary["tool_tags"] is None
+    assert set(summary) >= {"exact_return", "mc_return", "agreement"} and summary["pictures"]
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        assert (run_dir / "final_policy" / name).is_file(), name
+    print(f"zero-shot exact return {rows[0]['eval_return']:.4f}; steps {[round(r.get('step_time_s', 0), 1) for r in rows]} s")
