@@ -165,7 +165,7 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
 
     chat, prompts = _prompts(smollm2, 4)
     policy = VLLMPolicy(tiny_configs.policy(constrain_to_actions=False, max_tokens=24, max_model_len=512, kv_cache_mb=128,
-                                            chat_prompts=True), model_dir=str(smollm2), action_words=None)
+                                            chat_prompts=True, block_size=32), model_dir=str(smollm2), action_words=None)
     rank = TrainerActor.options(num_cpus=0.5).remote(tiny_configs.trainer(lr=1e-5, micro_batch_size=2),
                                                      model_dir=str(smollm2), grpo=tiny_configs.grpo(), total_steps=2, rank=0,
                                                      allowed_token_ids=None)
@@ -181,6 +181,9 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
         assert chat.tokenizer.decode(asked.prompt_ids) == (
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
             "<|im_start|>user\nHit or stick?<|im_end|>\n<|im_start|>assistant\n") and asked.response_ids
+        bare = policy._prompt_ids(True, "")("Hit or stick?")  # policy.system_prompt: "" (no system turn)
+        assert chat.tokenizer.decode(bare) == "<|im_start|>user\nHit or stick?<|im_end|>\n<|im_start|>assistant\n"
+        assert policy.llm.llm_engine.vllm_config.cache_config.block_size == 32  # policy.block_size
         assert chat.stopped(closed.response_ids) and len(closed.response_ids) < 24, chat.decode(closed.response_ids)
         assert chat.decode(closed.response_ids).endswith(TOOL_CALL_CLOSE), chat.decode(closed.response_ids)
         first = policy.generate_ids(prompts, [24] * len(prompts), chat.stops, False, 11, 0)

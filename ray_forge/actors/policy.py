@@ -118,6 +118,7 @@ class VLLMPolicy:
             distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
             kv_cache_memory_bytes=config.kv_cache_mb * 2**20,
             enable_prefix_caching=True,
+            **({"block_size": config.block_size} if config.block_size else {}),
             # Requests the training loop waits on (checks, evaluations) pass the rollouts' queue.
             scheduling_policy="priority",
             use_tqdm_on_load=False,  # a bar per weight reload would flood `ray job logs`
@@ -131,7 +132,8 @@ class VLLMPolicy:
         self.tokenizer = self.llm.get_tokenizer()
         # A text env shows the same few prompts again and again (BlackJack: 360 states), and one-token
         # answers come in few texts: encoded and decoded once each, not once per decision.
-        self._encode = functools.lru_cache(maxsize=TEXT_CACHE)(self._prompt_ids(config.chat_prompts))
+        self._encode = functools.lru_cache(maxsize=TEXT_CACHE)(self._prompt_ids(config.chat_prompts,
+                                                                                  config.system_prompt))
         self._answer_text = functools.lru_cache(maxsize=TEXT_CACHE)(self._decode_after)
         self._in_flight: dict[tuple, Future] = {}
         """Waiting distribution requests by (prompt, priority): see ``_shared``."""
@@ -159,16 +161,17 @@ class VLLMPolicy:
         if _restarted_actor():
             self._catch_up(store_name)
 
-    def _prompt_ids(self, chat: bool):
+    def _prompt_ids(self, chat: bool, system: str | None):
         """A text prompt's ids: as it is, or (``policy.chat_prompts``) as a user turn of the
-        model's chat template followed by its generation prompt."""
+        model's chat template followed by its generation prompt, after ``system``'s turn."""
         if not chat:
             return lambda text: tuple(self.tokenizer.encode(text, add_special_tokens=False))
         try:
             form = ChatFormat(self.tokenizer)
         except ChatTemplateError as err:
             raise ConfigError(f"policy.chat_prompts=true: {err}") from None
-        return lambda text: tuple(form.render([{"role": "user", "content": text}], add_generation_prompt=True))
+        before = [] if system is None else [{"role": "system", "content": system}]
+        return lambda text: tuple(form.render([*before, {"role": "user", "content": text}], add_generation_prompt=True))
 
     def _warm_up(self) -> float:
         """One greedy answer before any call; returns its seconds. The engine's first step pays

@@ -191,6 +191,13 @@ class PolicyConfig:
     """An env's text prompts (``env.episode.mode: turns``) go to the engine as a user turn of the
     model's own chat template, then its generation prompt, as an instruct model is used to being
     asked; false: as plain text. Either way the trainer trains on the ids the engine was given."""
+    system_prompt: str | None = None
+    """With ``chat_prompts``: the system turn before each prompt. None: the template's own default
+    (SmolLM2's is 'You are a helpful AI assistant named SmolLM, trained by Hugging Face', about 20
+    tokens in every prompt the engine and the trainer process); empty: no system turn."""
+    block_size: int = at_least(0, 0)
+    """Tokens per KV-cache block; prefix caching reuses whole blocks only. 0: vLLM's default (128
+    on CPU, where a prompt of 45 tokens never shares one; 16 on GPU)."""
     max_model_len: int = at_least(2, 4096)
     """Longest prompt plus completion, in tokens, an engine serves."""
     kv_cache_mb: int = at_least(1, 4096)
@@ -526,6 +533,8 @@ class JobConfig:
             raise ConfigError(f"buffer.capacity_games ({self.buffer.capacity_games}) is smaller than a step's "
                               f"{self.grpo.games_per_step} games (grpo.prompts_per_step x grpo.samples_per_prompt): "
                               "no batch could ever be sampled")
+        if self.policy.system_prompt is not None and not self.policy.chat_prompts:
+            raise ConfigError("policy.system_prompt needs policy.chat_prompts=true: a plain-text prompt has no system turn")
         if self.policy.chat_prompts and self.env.episode.mode == "sequence":
             raise ConfigError("policy.chat_prompts is for text prompts (env.episode.mode: turns); a sequence episode "
                               "is rendered by the chat template already")
