@@ -91,6 +91,8 @@ class LocalCluster:
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         """Each node's ``ray start`` output (its latest try)."""
+        self.manager_ports: list[int] = []
+        """Each node's raylet port (its latest try): how Ray's node table tells it apart."""
 
     @property
     def address(self) -> str:
@@ -172,10 +174,27 @@ class LocalCluster:
                                    f"after {timeout_s:.0f}s")
             time.sleep(0.5)
 
+    def _wait_for_running(self) -> None:
+        """Until Ray counts every running node alive, each known by its raylet's port: a node killed
+        earlier may or may not be declared dead yet, and its replacement has its address."""
+        import ray
+
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            alive = {(n["NodeManagerAddress"], n["NodeManagerPort"]) for n in ray.nodes() if n["Alive"]}
+            missing = [i for i in self.alive() if (self.nodes[i].ip, self.manager_ports[i]) not in alive]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray does not count nodes {missing} alive after {self.start_timeout_s:.0f}s")
+            time.sleep(0.5)
+
     def _spawn(self, cmd: list[str], index: int | None = None) -> None:
         """Start node ``index``'s ``ray start`` (a new node when None; a retry replaces the old one)."""
         index = len(self.procs) if index is None else index
         self.logs[index:index + 1] = [self.temp_dir.parent / f"{self.temp_dir.name}_{index}_{time.monotonic_ns()}.log"]
+        [port] = [int(arg.split("=", 1)[1]) for arg in cmd if arg.startswith("--node-manager-port=")]
+        self.manager_ports[index:index + 1] = [port]
         with open(self.logs[index], "w") as out:
             proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[index:index + 1] = [proc]
@@ -224,7 +243,7 @@ class LocalCluster:
         global _joined
         ray.init(address=self.address, **init_kwargs)
         _joined = self
-        self.wait_for_nodes(len(self.procs))
+        self._wait_for_running()
 
     def node_at(self, ip: str) -> int:
         """The index of the running node at ``ip`` (a node Ray reports by its address)."""
