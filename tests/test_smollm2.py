@@ -159,7 +159,7 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
     from ray_forge.actors.policy import VLLMPolicy
     from ray_forge.actors.trainer import TrainerActor
     from ray_forge.actors.trainer_group import TrainerGroup
-    from ray_forge.core.chat import TOOL_CALL_CLOSE
+    from ray_forge.core.chat import TOOL_CALL_CLOSE, text_prompt_ids
     from ray_forge.core.episode import Sample
     from ray_forge.weights import StoreSpec, WeightStore
 
@@ -181,7 +181,7 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
         assert chat.tokenizer.decode(asked.prompt_ids) == (
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
             "<|im_start|>user\nHit or stick?<|im_end|>\n<|im_start|>assistant\n") and asked.response_ids
-        bare = policy._prompt_ids(True, "")("Hit or stick?")  # policy.system_prompt: "" (no system turn)
+        bare = text_prompt_ids(chat.tokenizer, True, "")("Hit or stick?")  # policy.system_prompt: "" (no system turn)
         assert chat.tokenizer.decode(bare) == "<|im_start|>user\nHit or stick?<|im_end|>\n<|im_start|>assistant\n"
         assert policy.llm.llm_engine.vllm_config.cache_config.block_size == 32  # policy.block_size
         assert chat.stopped(closed.response_ids) and len(closed.response_ids) < 24, chat.decode(closed.response_ids)

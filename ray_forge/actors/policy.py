@@ -20,7 +20,7 @@ import torch
 from ray_forge.actors.engine_loop import EngineLoop, token_versions
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import PolicyConfig
-from ray_forge.core.chat import ChatFormat, ChatTemplateError, Stops
+from ray_forge.core.chat import ChatTemplateError, Stops, text_prompt_ids
 from ray_forge.core.episode import Answer, Answers
 from ray_forge.models.devices import require_dtype
 from ray_forge.weights import MixedWeights, StoreSpec, WeightSyncError
@@ -132,8 +132,11 @@ class VLLMPolicy:
         self.tokenizer = self.llm.get_tokenizer()
         # A text env shows the same few prompts again and again (BlackJack: 360 states), and one-token
         # answers come in few texts: encoded and decoded once each, not once per decision.
-        self._encode = functools.lru_cache(maxsize=TEXT_CACHE)(self._prompt_ids(config.chat_prompts,
-                                                                                  config.system_prompt))
+        try:
+            encode = text_prompt_ids(self.tokenizer, config.chat_prompts, config.system_prompt)
+        except ChatTemplateError as err:
+            raise ConfigError(f"policy.chat_prompts=true: {err}") from None
+        self._encode = functools.lru_cache(maxsize=TEXT_CACHE)(encode)
         self._answer_text = functools.lru_cache(maxsize=TEXT_CACHE)(self._decode_after)
         self._in_flight: dict[tuple, Future] = {}
         """Waiting distribution requests by (prompt, priority): see ``_shared``."""
@@ -160,18 +163,6 @@ class VLLMPolicy:
         """One weight update at a time: a fetch fills buffers the next load reads."""
         if _restarted_actor():
             self._catch_up(store_name)
-
-    def _prompt_ids(self, chat: bool, system: str | None):
-        """A text prompt's ids: as it is, or (``policy.chat_prompts``) as a user turn of the
-        model's chat template followed by its generation prompt, after ``system``'s turn."""
-        if not chat:
-            return lambda text: tuple(self.tokenizer.encode(text, add_special_tokens=False))
-        try:
-            form = ChatFormat(self.tokenizer)
-        except ChatTemplateError as err:
-            raise ConfigError(f"policy.chat_prompts=true: {err}") from None
-        before = [] if system is None else [{"role": "system", "content": system}]
-        return lambda text: tuple(form.render([*before, {"role": "user", "content": text}], add_generation_prompt=True))
 
     def _warm_up(self) -> float:
         """One greedy answer before any call; returns its seconds. The engine's first step pays

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<tool_response>", "</tool_response>")
@@ -174,3 +174,14 @@ class ChatFormat:
         if ids and ids[-1] == self.end_of_turn:
             ids = ids[:-1]
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def text_prompt_ids(tokenizer, chat: bool, system: str | None = None) -> Callable[[str], tuple[int, ...]]:
+    """How a text prompt becomes the ids an engine is given: as it is, or (``chat``) as a user turn
+    of the tokenizer's chat template and its generation prompt, after ``system``'s turn (None: the
+    template's default; empty: none). Raises :class:`ChatTemplateError` for a chat without a template."""
+    if not chat:
+        return lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))
+    form = ChatFormat(tokenizer)
+    before = [] if system is None else [{"role": "system", "content": system}]
+    return lambda text: tuple(form.render([*before, {"role": "user", "content": text}], add_generation_prompt=True))
