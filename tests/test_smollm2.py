@@ -217,7 +217,8 @@ def test_after_a_sync_vllm_s_logprobs_of_smollm2_equal_the_trainer_s(smollm2, ra
 def test_make_demo_real_runs_two_steps_and_writes_what_the_tiny_demo_writes(smollm2, ray_cluster, tmp_path):
     """``make demo-real`` (its conversion reused), 2 small steps on the session's cluster: the
     zero-shot policy evaluated as step 0, one-token hit/stick answers drawn per distinct state, the
-    run's own sync check within fp32's tolerance, and the summary, pictures and final policy."""
+    run's own sync check within fp32's tolerance, and the summary, pictures and final policy, which
+    plain transformers and the exact DP (``bench/read_policy.py``) value as the run did."""
     import os
     import subprocess
     import sys
@@ -243,4 +244,9 @@ def test_make_demo_real_runs_two_steps_and_writes_what_the_tiny_demo_writes(smol
     assert set(summary) >= {"exact_return", "mc_return", "agreement"} and summary["pictures"]
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         assert (run_dir / "final_policy" / name).is_file(), name
-    print(f"zero-shot exact return {rows[0]['eval_return']:.4f}; steps {[round(r.get('step_time_s', 0), 1) for r in rows]} s")
+    from bench.read_policy import read
+
+    reading = read(run_dir)
+    assert reading["difference"] < 2e-3, reading
+    print(f"zero-shot exact return {rows[0]['eval_return']:.4f}; steps {[round(r.get('step_time_s', 0), 1) for r in rows]} s; "
+          f"final {summary['exact_return']:.4f}, read independently {reading['exact_return']:.4f}")
