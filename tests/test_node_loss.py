@@ -128,8 +128,7 @@ def _calls_to_the_lost_engine(cluster: LocalCluster, killed_ip: str, caplog) -> 
     import os
     import time
 
-    logs = cluster.temp_dir / "session_latest" / "logs"
-    [driver_log] = logs.glob(f"python-core-driver-*_{os.getpid()}.log")
+    [driver_log] = [log for logs in cluster.log_dirs() for log in logs.glob(f"python-core-driver-*_{os.getpid()}.log")]
     text = driver_log.read_text(errors="replace")
     [actor] = set(re.findall(rf"state: ALIVE, ip address: {re.escape(killed_ip)},.*?actor_id=(\w+)", text))
     killed = next(r.created for r in caplog.records if "chaos: killing node" in r.getMessage())

@@ -104,7 +104,7 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         head = self.nodes[0]
-        self._spawn([self.ray, "start", "--head", "--block", f"--port={self.gcs_port}", f"--temp-dir={self.temp_dir}",
+        self._spawn([self.ray, "start", "--head", "--block", f"--port={self.gcs_port}", f"--temp-dir={self.node_dir(0)}",
                      f"--include-dashboard={str(self.dashboard).lower()}", f"--dashboard-host={head.ip}",
                      f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
                      *_node_args(head)])
@@ -201,28 +201,41 @@ class LocalCluster:
 
     def _spawn_worker(self, index: int) -> None:
         # Fresh ports on every try: one chosen free may have been taken since (see ``free_port``).
-        self._spawn([self.ray, "start", "--block", f"--address={self.address}", *_node_args(self.nodes[index])], index)
+        self._spawn([self.ray, "start", "--block", f"--address={self.address}", *_node_args(self.nodes[index]),
+                     f"--temp-dir={self.node_dir(index)}"], index)
+
+    def node_dir(self, index: int) -> Path:
+        """Node ``index``'s temporary directory (its session's sockets and logs). Each node has its
+        own: in one shared directory Ray names each node's sockets by the first free index, two
+        nodes starting at once took the same name, and one raylet died on "bind: Address already in
+        use" (11 of 18 worker starts needed a retry, alone on the machine)."""
+        return self.temp_dir if index == 0 else Path(f"{self.temp_dir}_{index}")
+
+    def log_dirs(self) -> list[Path]:
+        """Every node's session log directory (the head's holds this process's driver log)."""
+        return [self.node_dir(i) / "session_latest" / "logs" for i in range(len(self.procs))]
 
     def _wait_started(self, index: int) -> None:
         """Until node ``index``'s ``ray start`` says its raylet registered. It is tried again, with
-        new ports, when it exits first: on a busy machine a port chosen free can be taken before the
-        raylet binds it, and ``ray start`` gives up after 30 s without an answer from the GCS."""
-        deadline = time.monotonic() + self.start_timeout_s
+        new ports, when it exits or hangs first: on a busy machine a port chosen free can be taken
+        before the raylet binds it, and ``ray start`` gives up after 30 s without an answer from the
+        GCS. Each try has ``start_timeout_s``."""
         for attempt in range(1, START_ATTEMPTS + 1):
+            deadline = time.monotonic() + self.start_timeout_s
             while self.procs[index].poll() is None and time.monotonic() < deadline:
                 if STARTED in self.logs[index].read_text(errors="replace"):
                     return
                 time.sleep(0.2)
-            failed = self.logs[index]
-            if self.procs[index].poll() is None:
-                raise TimeoutError(f"node {index} ({self.nodes[index].ip}) did not start within "
-                                   f"{self.start_timeout_s:.0f}s; see {failed}")
+            failed, hung = self.logs[index], self.procs[index].poll() is None
             self._kill_group(self.procs[index])
+            why = f"hung for {self.start_timeout_s:.0f}s" if hung else f"rc {self.procs[index].returncode}"
             if attempt < START_ATTEMPTS:
-                log.warning("node %d (%s) failed to start (rc %s, see %s); trying again with new ports",
-                            index, self.nodes[index].ip, self.procs[index].returncode, failed)
+                log.warning("node %d (%s) failed to start (%s, see %s); trying again with new ports",
+                            index, self.nodes[index].ip, why, failed)
                 self._spawn_worker(index)
-        raise RuntimeError(f"node {index} ({self.nodes[index].ip}) failed to start {START_ATTEMPTS} times; see {failed}")
+        tail = failed.read_text(errors="replace").strip().splitlines()[-5:]
+        raise RuntimeError(f"node {index} ({self.nodes[index].ip}) failed to start {START_ATTEMPTS} times "
+                           f"(last: {why}); {failed} ends:\n" + "\n".join(tail))
 
     def _wait_for_port(self, host: str, port: int) -> None:
         deadline = time.monotonic() + self.start_timeout_s
