@@ -131,7 +131,7 @@ async def next_batch(config: JobConfig, actors: Actors, version: int,
     limit_s = 2 * RolloutSettings.of(config).play_limit_s  # a backstop: every rollout call has its own timeout
     batch = await beside(guards, call(
         actors.buffer.wait_batch.remote(config.grpo.games_per_step, version, config.trainer.merge_identical, limit_s,
-                                        config.grpo.scale_rewards),
+                                        config.grpo.scale_rewards, config.grpo.baseline),
         timeout_s=limit_s + 60, what="buffer.wait_batch"), "training finished")
     if batch is None:
         raise TimeoutError(f"no training batch within {limit_s:.0f}s")

@@ -244,3 +244,43 @@ def test_sampled_logprobs_run_each_distinct_row_once_and_the_head_only_where_a_r
         torch.testing.assert_close(b, a)
     nothing = sampled_logprobs(forward_at, inputs[:1], targets[:1], torch.zeros(1, 3))  # a padding row
     assert seen[-1] == (1, 0) and all(t.abs().sum() == 0 for t in nothing)
+
+
+def test_keyed_advantages_compare_each_reward_with_the_mean_of_its_key_wherever_it_sits():
+    from ray_forge.core.algorithm import keyed_advantages
+
+    rewards = torch.tensor([1.0, 0.0, -1.0, 1.0, 0.5, 0.5])
+    keys = torch.tensor([7, 3, 7, 3, 9, 9])  # key 7: {1, -1}, key 3: {0, 1}, key 9: flat
+    none, keep = keyed_advantages(rewards, keys, scale="none")
+    assert torch.allclose(none, torch.tensor([1.0, -0.5, -1.0, 0.5, 0.0, 0.0]), atol=1e-6)
+    assert keep.tolist() == [True, True, True, True, False, False]
+    by_key, _ = keyed_advantages(rewards, keys, scale="group")
+    assert torch.allclose(by_key[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-4)
+    same, same_keep = group_advantages(torch.tensor([1.0, -1.0, 0.0, 1.0]), group_size=2, scale="batch")
+    keyed, keyed_keep = keyed_advantages(torch.tensor([1.0, -1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]), scale="batch")
+    assert torch.allclose(same, keyed) and same_keep.tolist() == keyed_keep.tolist()
+
+
+def test_a_prompt_baseline_credits_each_turn_against_the_turns_of_its_prompt_across_groups():
+    """Two groups of two games. State A (prompt 1, 2) is met in every game; state B (prompt 1, 5)
+    only in the games of group 0. Group 0's rewards are equal, so the group baseline trains nothing
+    from it; the prompt baseline compares its B turns with each other (flat: dropped) and every A
+    turn with the mean of all four A turns."""
+    from ray_forge.core.batch import groups_to_samples
+
+    def game(group, reward, moves):
+        turns = tuple(Turn(prompt, (action,), (-0.5,), 0) for prompt, action in moves)
+        return Episode(group_id=group, seed=group, turns=turns, reward=reward)
+
+    a, b = (1, 2), (1, 5)
+    groups = [[game(0, 1.0, [(a, 7), (b, 8)]), game(0, 1.0, [(a, 8), (b, 7)])],
+              [game(1, -1.0, [(a, 7)]), game(1, 1.0, [(a, 8)])]]
+    by_group, group_stats = groups_to_samples(groups, merge=False, scale="none")
+    assert [(s.token_ids, s.advantage) for s in by_group] == [(a + (7,), -1.0), (a + (8,), 1.0)]
+    assert group_stats["groups_kept"] == 0.5
+    by_prompt, stats = groups_to_samples(groups, merge=False, scale="none", baseline="prompt")
+    assert [(s.token_ids, s.advantage) for s in by_prompt] == [(a + (7,), 0.5), (a + (8,), 0.5),
+                                                                (a + (7,), -1.5), (a + (8,), 0.5)]
+    assert stats["turns_kept"] == pytest.approx(4 / 6) and stats["distinct_prompts"] == 2
+    with pytest.raises(ValueError, match="baseline must be"):
+        groups_to_samples(groups, merge=False, baseline="deal")

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from ray_forge.config.schema import BufferConfig
-from ray_forge.core.algorithm import RewardScale, group_advantages
+from ray_forge.core.algorithm import Baseline, RewardScale, group_advantages
 from ray_forge.core.batch import groups_to_samples
 from ray_forge.core.episode import Episode
 from ray_forge.remote import Pickled
@@ -94,23 +94,23 @@ class ReplayBuffer:
             self.add([g for c in sorted(done) for g in done[c]], self.next_batch + 1)
         return self.num_games()
 
-    def sample_batch(self, num_games: int, trainer_version: int, merge: bool,
-                     scale: RewardScale = "group") -> tuple[dict, ray.ObjectRef] | None:
+    def sample_batch(self, num_games: int, trainer_version: int, merge: bool, scale: RewardScale = "group",
+                     baseline: Baseline = "group") -> tuple[dict, ray.ObjectRef] | None:
         """``sample``'s groups made into training samples, here beside the games: (the batch's
         statistics, a reference to the samples in the object store), or None. The trainer ranks
         (and the reference model) fetch the samples themselves; the caller holds only the reference."""
-        groups = self.sample(num_games, trainer_version)
+        groups = self.sample(num_games, trainer_version, baseline)
         if groups is None:
             return None
-        samples, stats = groups_to_samples(groups, merge, trainer_version, scale)
+        samples, stats = groups_to_samples(groups, merge, trainer_version, scale, baseline)
         return stats, ray.put(samples)
 
     async def wait_batch(self, num_games: int, trainer_version: int, merge: bool, timeout_s: float,
-                         scale: RewardScale = "group") -> tuple[dict, ray.ObjectRef] | None:
+                         scale: RewardScale = "group", baseline: Baseline = "group") -> tuple[dict, ray.ObjectRef] | None:
         """``sample_batch``, waiting up to ``timeout_s`` for enough games to come in; None if they did not."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while (batch := self.sample_batch(num_games, trainer_version, merge, scale)) is None:
+        while (batch := self.sample_batch(num_games, trainer_version, merge, scale, baseline)) is None:
             self._added.clear()
             try:
                 await asyncio.wait_for(self._added.wait(), timeout=max(0.0, deadline - loop.time()))
@@ -126,8 +126,11 @@ class ReplayBuffer:
         self.counts["evicted_stale"] += sum(len(e.group) for e in stale)
         return len(stale)
 
-    def sample(self, num_games: int, trainer_version: int) -> list[list[Episode]] | None:
-        """Oldest fresh groups totalling ``num_games`` games, or None if there are not enough yet."""
+    def sample(self, num_games: int, trainer_version: int, baseline: Baseline = "group") -> list[list[Episode]] | None:
+        """Oldest fresh groups totalling ``num_games`` games, or None if there are not enough yet.
+        A group used up counts as dropped for want of signal only under the "group" baseline,
+        which drops a group whose games all scored alike (under "prompt" its turns may still differ
+        from other turns of their prompts)."""
         self.evict_stale(trainer_version)
         if self.num_games() < num_games:
             return None
@@ -140,7 +143,8 @@ class ReplayBuffer:
             entry.uses += 1
             if entry.uses >= self.max_uses:
                 self._entries.remove(entry)
-                self.counts["trained" if has_signal(entry.group) else "dropped_no_signal"] += len(entry.group)
+                trained = baseline == "prompt" or has_signal(entry.group)
+                self.counts["trained" if trained else "dropped_no_signal"] += len(entry.group)
         return batch
 
     def num_games(self) -> int:

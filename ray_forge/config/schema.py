@@ -376,6 +376,12 @@ class GRPOConfig:
     """What divides a game's reward minus its group's mean: the group's std (GRPO as published,
     verl's ``norm_adv_by_std_in_grpo``), the batch's std, or nothing (Dr. GRPO); TRL's
     ``scale_rewards``. See ``ray_forge.core.algorithm.group_advantages`` for when "group" misleads."""
+    baseline: Literal["group", "prompt"] = "group"
+    """What a reward is compared with. group: the mean of its group's games, credited to every turn
+    of the game (GRPO). prompt: the mean return of every turn in the batch asked the same prompt,
+    whatever its group, credited to that turn: with one decision per turn and the state in its
+    prompt (BlackJack's draws), a per-state baseline; ``scale_rewards`` "group" then divides by
+    that prompt's std. See ``ray_forge.core.algorithm.keyed_advantages``."""
 
     RENAMED: ClassVar[dict[str, str]] = {
         "group_size": "grpo.samples_per_prompt",

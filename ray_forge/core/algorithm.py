@@ -15,6 +15,7 @@ import torch
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 RewardScale = Literal["group", "batch", "none"]
 REWARD_SCALES = get_args(RewardScale)
+Baseline = Literal["group", "prompt"]
 
 
 def group_advantages(rewards_B: torch.Tensor, group_size: int, scale: RewardScale = "group",
@@ -35,20 +36,33 @@ def group_advantages(rewards_B: torch.Tensor, group_size: int, scale: RewardScal
     """
     if rewards_B.numel() % group_size:
         raise ValueError(f"{rewards_B.numel()} rewards do not split into groups of {group_size}")
-    rewards_NG = rewards_B.float().view(-1, group_size)
-    mean_N1 = rewards_NG.mean(dim=1, keepdim=True)
-    std_N1 = rewards_NG.std(dim=1, keepdim=True, correction=0)
-    keep_N1 = std_N1 > eps
+    return keyed_advantages(rewards_B, torch.arange(rewards_B.numel()) // group_size, scale, eps)
+
+
+def keyed_advantages(rewards_B: torch.Tensor, keys_B: torch.Tensor, scale: RewardScale = "group",
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``group_advantages`` where a group is every reward with the same key, wherever it sits:
+    the baseline of a turn is the mean return of every turn in the batch asked the same prompt.
+
+    With one decision per turn and the state in the prompt (BlackJack's draws) that is a
+    per-state baseline, G - V(s), an estimate of Q(s, a) - V(s): a deal's group mean instead
+    pushes every decision of a game by the game's luck, which moves the whole table at once."""
+    rewards_B = rewards_B.float()
+    _, group_B = torch.unique(keys_B, return_inverse=True)
+    count_N = torch.zeros(int(group_B.max()) + 1 if group_B.numel() else 0).index_add_(0, group_B, torch.ones_like(rewards_B))
+    mean_N = torch.zeros_like(count_N).index_add_(0, group_B, rewards_B) / count_N
+    centred_B = rewards_B - mean_N[group_B]
+    std_N = (torch.zeros_like(count_N).index_add_(0, group_B, centred_B**2) / count_N).sqrt()
+    keep_B = std_N[group_B] > eps
     if scale == "group":
-        divisor = std_N1 + eps
+        divisor_B = std_N[group_B] + eps
     elif scale == "batch":
-        divisor = rewards_NG.std(correction=0) + eps
+        divisor_B = (rewards_B.std(correction=0) + eps).expand_as(rewards_B)
     elif scale == "none":
-        divisor = torch.ones_like(std_N1)
+        divisor_B = torch.ones_like(rewards_B)
     else:
         raise ValueError(f"scale must be one of {REWARD_SCALES}, got {scale!r}")
-    advantages_NG = torch.where(keep_N1, (rewards_NG - mean_N1) / divisor, torch.zeros_like(rewards_NG))
-    return advantages_NG.view(-1), keep_N1.expand_as(rewards_NG).reshape(-1)
+    return torch.where(keep_B, centred_B / divisor_B, torch.zeros_like(rewards_B)), keep_B
 
 
 def k3_kl(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:

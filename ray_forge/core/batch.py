@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from ray_forge.core.algorithm import RewardScale, group_advantages, token_logprobs_and_entropy
+from ray_forge.core.algorithm import Baseline, RewardScale, group_advantages, keyed_advantages, token_logprobs_and_entropy
 from ray_forge.core.episode import Episode, Sample, episodes_to_samples, merge_identical
 from ray_forge.core.play import episode_metrics
 
@@ -99,19 +99,29 @@ def response_logprobs(batch: TensorBatch, logprobs_BT: torch.Tensor) -> list[tup
 
 
 def groups_to_samples(groups: list[list[Episode]], merge: bool, trainer_version: int = 0,
-                      scale: RewardScale = "group") -> tuple[list[Sample], dict[str, float]]:
-    """GRPO advantages within each group, zero-variance groups dropped, turns flattened to samples.
+                      scale: RewardScale = "group", baseline: Baseline = "group") -> tuple[list[Sample], dict[str, float]]:
+    """GRPO advantages, turns flattened to samples, those without signal dropped.
+
+    ``baseline`` "group": a game's reward minus its group's mean, on every turn of the game (a
+    group whose rewards are all equal is dropped). "prompt": a turn's game reward minus the mean
+    over every turn in the batch asked the same prompt, whatever group it came from (a prompt
+    whose turns all scored alike is dropped); see ``keyed_advantages``.
 
     ``policy_lag`` and ``policy_lag_max``: versions between the weights that sampled each trained
     token and ``trainer_version`` (the weights the trainer takes the step from), token mean and max."""
     episodes = [e for group in groups for e in group]
     rewards = torch.tensor([e.reward for e in episodes])
-    advantages, keep = group_advantages(rewards, group_size=len(groups[0]), scale=scale)
-    kept = [(e, a) for e, a, k in zip(episodes, advantages.tolist(), keep.tolist()) if k]
-    samples = episodes_to_samples([e for e, _ in kept], [a for _, a in kept])
+    if baseline == "group":
+        advantages, keep = group_advantages(rewards, group_size=len(groups[0]), scale=scale)
+        kept = [(e, a) for e, a, k in zip(episodes, advantages.tolist(), keep.tolist()) if k]
+        samples = episodes_to_samples([e for e, _ in kept], [a for _, a in kept])
+        signal = dict(groups_kept=float(keep.float().mean()))
+    elif baseline == "prompt":
+        samples, signal = _prompt_baseline_samples(episodes, scale)
+    else:
+        raise ValueError(f"baseline must be 'group' or 'prompt', got {baseline!r}")
     lags = [trainer_version - v for s in samples for v in s.token_versions]
-    stats = dict(train_reward=float(rewards.mean()), num_games=len(episodes),
-                 groups_kept=float(keep.float().mean()), num_samples=len(samples),
+    stats = dict(train_reward=float(rewards.mean()), num_games=len(episodes), **signal, num_samples=len(samples),
                  env_errors=sum(e.error is not None for e in episodes),
                  sample_policy_version=sum(s.policy_version for s in samples) / max(1, len(samples)),
                  policy_lag=sum(lags) / max(1, len(lags)), policy_lag_max=max(lags, default=0),
@@ -121,6 +131,20 @@ def groups_to_samples(groups: list[list[Episode]], merge: bool, trainer_version:
     stats["num_rows"] = len(samples)
     stats["row_tokens"] = sum(len(s.token_ids) for s in samples)  # what the trainer's forward runs over
     return samples, stats
+
+
+def _prompt_baseline_samples(episodes: list[Episode], scale: RewardScale) -> tuple[list[Sample], dict[str, float]]:
+    """Every turn credited with its game's reward minus the mean over the batch's turns of the same
+    prompt (the tokens before its first sampled one); ``turns_kept`` is the share with signal."""
+    samples = episodes_to_samples(episodes, [e.reward for e in episodes])
+    prompts: dict[tuple[int, ...], int] = {}
+    keys = [prompts.setdefault(s.token_ids[:next((i for i, m in enumerate(s.loss_mask) if m), None)], len(prompts))
+            for s in samples]
+    if not samples:
+        return [], dict(turns_kept=0.0)
+    advantages, keep = keyed_advantages(torch.tensor([s.advantage for s in samples]), torch.tensor(keys), scale)
+    kept = [replace(s, advantage=a) for s, a, k in zip(samples, advantages.tolist(), keep.tolist()) if k]
+    return kept, dict(turns_kept=float(keep.float().mean()), distinct_prompts=len(prompts))
 
 
 @dataclass
