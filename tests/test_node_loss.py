@@ -76,7 +76,9 @@ def test_a_run_whose_cpu_node_is_lost_and_replaced_completes_and_accounts_for_ev
     _accounted(rows)
     last = rows[-1]
     assert last["nodes_lost"] == 1, last
-    assert last["actor_restarts"] >= 2 and last["replayed_games"] > 0, last  # both env actors came back
+    # Both env actors came back: by the run's end, which waits for members restarting. The last
+    # step may come before the second does (the run goes on with one; 1 at step 10, once).
+    assert summary["actor_restarts"] >= 2 and summary["replayed_games"] > 0, summary
     assert f"chaos: killing node 2 at {CPU_NODE}" in caplog.text
     assert f"chaos: node 3 joined at {CPU_NODE}" in caplog.text
     assert f"at {CPU_NODE} (pool cpu) was lost" in caplog.text
