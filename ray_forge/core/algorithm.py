@@ -48,8 +48,8 @@ def keyed_advantages(rewards_B: torch.Tensor, keys_B: torch.Tensor, scale: Rewar
     per-state baseline, G - V(s), an estimate of Q(s, a) - V(s): a deal's group mean instead
     pushes every decision of a game by the game's luck, which moves the whole table at once."""
     rewards_B = rewards_B.float()
-    _, group_B = torch.unique(keys_B, return_inverse=True)
-    count_N = torch.zeros(int(group_B.max()) + 1 if group_B.numel() else 0).index_add_(0, group_B, torch.ones_like(rewards_B))
+    distinct_N, group_B = torch.unique(keys_B, return_inverse=True)
+    count_N = torch.bincount(group_B, minlength=len(distinct_N)).float()
     mean_N = torch.zeros_like(count_N).index_add_(0, group_B, rewards_B) / count_N
     centred_B = rewards_B - mean_N[group_B]
     std_N = (torch.zeros_like(count_N).index_add_(0, group_B, centred_B**2) / count_N).sqrt()
