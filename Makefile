@@ -3,6 +3,7 @@
 #   make test   # the test suite
 # and more demos, on the same venv:
 #   make demo-tools   # a tiny model learns to use the python tool: SFT warm start, then GRPO
+#   make demo-tools MODEL=smollm2   # the same with SmolLM2-135M-Instruct
 #   make demo-real    # SmolLM2-135M-Instruct (a real pretrained model) learns BlackJack
 PY ?= python3.11
 VENV := .venv
@@ -12,6 +13,8 @@ BIN := $(VENV)/bin
 TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 ARGS ?=
+# make demo-tools MODEL=smollm2: the tool demo with SmolLM2-135M-Instruct
+MODEL ?= tiny
 
 .PHONY: demo demo-tools demo-real test test-fast venv clean
 SMOLLM2 := models/smollm2-135m
@@ -38,7 +41,7 @@ demo: venv
 	$(BIN)/python jobs/grpo.py --config jobs/configs/blackjack_tiny.yaml $(ARGS)
 
 demo-tools: venv
-	$(BIN)/python jobs/demo_tools.py $(ARGS)
+	$(BIN)/python jobs/demo_tools.py --model $(MODEL) $(ARGS)
 
 demo-real: venv
 	$(BIN)/python -m ray_forge.models.gguf --smollm2 --out $(SMOLLM2)   # once; reused after

@@ -9,6 +9,7 @@
     python jobs/demo_tools.py                      # seed 0
     python jobs/demo_tools.py --seed 1 --sft-from runs/demo-tools-0/sft    # another GRPO seed, same start
     python jobs/demo_tools.py --refuse-tools       # the ablation: every tool call answered with an error
+    python jobs/demo_tools.py --model smollm2      # the same path for SmolLM2-135M-Instruct (make demo-tools MODEL=smollm2)
 
 Prints one JSON line: where the held-out pass rate started and ended, and the run directories.
 """
@@ -26,21 +27,34 @@ from pathlib import Path
 from envs.code.arithmetic import Mix, demonstrations
 
 ROOT = Path(__file__).resolve().parent
-SFT_CONFIG = ROOT / "configs" / "sft_tools_tiny.yaml"
-GRPO_CONFIG = ROOT / "configs" / "arith_tools_tiny.yaml"
+# model -> (the SFT job's config, the GRPO job's config); both configs name the model to start from.
+CONFIGS = {
+    "tiny": (ROOT / "configs" / "sft_tools_tiny.yaml", ROOT / "configs" / "arith_tools_tiny.yaml"),
+    "smollm2": (ROOT / "configs" / "sft_tools_smollm2.yaml", ROOT / "configs" / "arith_tools_smollm2.yaml"),
+}
 log = logging.getLogger("demo-tools")
 
 
-def write_demonstrations(out: Path, seed: int, mix: Mix) -> Path:
-    """The warm start's conversations, of the train split only (the held-out split stays unseen)."""
+def write_demonstrations(out: Path, seed: int, mix: Mix, grpo_config: Path) -> Path:
+    """The warm start's conversations, of the GRPO job's train split only (its held-out split stays unseen)."""
     from envs import registry
     from ray_forge.config import load_config
     from ray_forge.config.schema import JobConfig
 
-    train, _ = registry.setup(load_config(JobConfig, GRPO_CONFIG).env).options.arithmetic.splits()
+    train, _ = registry.setup(load_config(JobConfig, grpo_config).env).options.arithmetic.splits()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(c) + "\n" for c in demonstrations(train, mix, seed)))
     return out
+
+
+def starting_model(model: str) -> list[str]:
+    """The SFT job's overrides that name the model it starts from: none for the tiny model (its
+    config builds one), the wheel's GGUF converted once for SmolLM2 (the folder `make demo-real` uses)."""
+    if model == "tiny":
+        return []
+    from ray_forge.models.gguf import convert, smollm2_gguf
+
+    return [f"model.path={convert(smollm2_gguf(), ROOT.parent / 'models' / 'smollm2-135m')}"]
 
 
 def job(script: str, *argv: str) -> dict:
@@ -54,6 +68,8 @@ def job(script: str, *argv: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="tiny",
+                        help="tiny: a random-init chat model made here; smollm2: SmolLM2-135M-Instruct from its wheel")
     parser.add_argument("--seed", type=int, default=0, help="seeds the demonstrations, the SFT and the GRPO run")
     parser.add_argument("--out", default="runs", help="where the run directories go")
     parser.add_argument("--sft-from", help="a finished SFT run directory to start GRPO from (skips steps 1-2)")
@@ -63,20 +79,23 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     start = time.monotonic()
     out = Path(args.out).resolve()
+    sft_config, grpo_config = CONFIGS[args.model]
+    tag = "" if args.model == "tiny" else f"-{args.model}"
     if args.sft_from:
         sft_dir = Path(args.sft_from).resolve()
     else:
-        demos = write_demonstrations(out / f"demo-tools-{args.seed}-demonstrations.jsonl", args.seed, Mix())
-        sft_dir = Path(job("sft.py", "--config", str(SFT_CONFIG), f"data.train={demos}", f"run.seed={args.seed}",
-                           f"run.output_dir={out}", f"run.name=demo-tools-sft-{args.seed}")["run_dir"])
+        demos = write_demonstrations(out / f"demo-tools{tag}-{args.seed}-demonstrations.jsonl", args.seed, Mix(), grpo_config)
+        sft_dir = Path(job("sft.py", "--config", str(sft_config), f"data.train={demos}", f"run.seed={args.seed}",
+                           f"run.output_dir={out}", f"run.name=demo-tools{tag}-sft-{args.seed}",
+                           *starting_model(args.model))["run_dir"])
     sft_s = time.monotonic() - start
-    name = f"demo-tools-grpo-{args.seed}" + ("-refused" if args.refuse_tools else "")
-    summary = job("grpo.py", "--config", str(GRPO_CONFIG), f"model.path={sft_dir / 'final_model'}",
+    name = f"demo-tools{tag}-grpo-{args.seed}" + ("-refused" if args.refuse_tools else "")
+    summary = job("grpo.py", "--config", str(grpo_config), f"model.path={sft_dir / 'final_model'}",
                   f"run.seed={args.seed}", f"run.output_dir={out}", f"run.name={name}",
                   f"env.episode.tools.refuse={str(args.refuse_tools).lower()}", *args.grpo_overrides)
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_sampled_solved" in r]
-    result = dict(seed=args.seed, refused=args.refuse_tools, sft_dir=str(sft_dir), grpo_dir=summary["run_dir"],
+    result = dict(model=args.model, seed=args.seed, refused=args.refuse_tools, sft_dir=str(sft_dir), grpo_dir=summary["run_dir"],
                   start_sampled=evals[0]["eval_sampled_solved"], start_greedy=evals[0]["eval_solved"],
                   end_sampled=summary.get("sampled_solved"), end_greedy=summary.get("solved"),
                   sft_s=round(sft_s, 1), total_s=round(time.monotonic() - start, 1))

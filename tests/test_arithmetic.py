@@ -3,15 +3,19 @@ sandbox, which the code env's reward forgeries cannot fool; the warm start's dem
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from envs.code.arithmetic import Arithmetic, Mix, demonstrations
-from envs.code.env import CodeEnv
+from envs import registry
+from envs.code.env import CodeEnv, show
 from envs.code.python_tool import PythonTool, ReplaySession
 from envs.code.sandbox import Limits, LocalSandbox
 from envs.code.tasks import load_tasks
 from forgeries import FORGERIES, forged
-from ray_forge.config.schema import ToolConfig
+from ray_forge.config import load_config
+from ray_forge.config.schema import JobConfig, ToolConfig
 from ray_forge.core.chat import ToolCall
 from ray_forge.core.tools import ToolRunner, ToolStats
 
@@ -127,3 +131,17 @@ def test_answer_tasks_load_from_files_and_gsm8k(tmp_path):
     first, gsm = load_tasks(path)
     assert (first.kind, first.answer) == ("answer", 4.0)
     assert (gsm.kind, gsm.answer, gsm.prompt) == ("answer", 7.0, "Tom has 3 apples and buys 4. How many?")
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_the_tool_demo_s_warm_start_never_shows_its_own_held_out_questions(model, tmp_path):
+    """`make demo-tools MODEL=...`: the demonstrations come from the train split of that model's own GRPO config."""
+    from jobs.demo_tools import CONFIGS, write_demonstrations
+
+    sft_config, grpo_config = CONFIGS[model]
+    assert sft_config.is_file() and grpo_config.is_file()
+    train, held_out = registry.setup(load_config(JobConfig, grpo_config).env).options.arithmetic.splits()
+    path = write_demonstrations(tmp_path / "demos.jsonl", 0, Mix(), grpo_config)
+    shown = {json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines()}
+    assert len(shown) == len(train) and held_out
+    assert not shown & {show(task, tool=True) for task in held_out}
