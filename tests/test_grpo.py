@@ -284,3 +284,15 @@ def test_a_prompt_baseline_credits_each_turn_against_the_turns_of_its_prompt_acr
     assert stats["turns_kept"] == pytest.approx(4 / 6) and stats["distinct_prompts"] == 2
     with pytest.raises(ValueError, match="baseline must be"):
         groups_to_samples(groups, merge=False, baseline="deal")
+
+
+def test_inputs_together_puts_rows_of_one_input_side_by_side_and_keeps_each_row():
+    from ray_forge.core.batch import inputs_together
+
+    rows = [Sample.completion((1, 2 + i % 3), (5 + i % 2,), behaviour_logprobs=(-0.7,), advantage=float(i),
+                              policy_version=0) for i in range(12)]
+    ordered = inputs_together(rows)
+    inputs = [s.token_ids[:-1] for s in ordered]
+    assert sorted(s.advantage for s in ordered) == [float(i) for i in range(12)]
+    runs = sum(a != b for a, b in zip([None, *inputs], inputs))  # stretches of one input
+    assert runs == len(set(inputs)) == 3

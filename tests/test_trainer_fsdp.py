@@ -104,7 +104,9 @@ def test_the_loss_gets_from_a_head_at_sampled_positions_only_the_logprobs_a_full
     """The trainer applies its output head only where a loss is read (a hook inside the FSDP
     forward). Behaviour logprobs taken from its full-head scoring (``score``): the loss's own
     logprobs equal them, on rows with several sampled tokens, rows sharing a prompt, and more
-    rows than one micro-batch."""
+    rows than one micro-batch. And rows of one input run one forward however the batch orders
+    them: 6 states, each with 4 rows (2 answers, 2 advantage signs) scattered over the batch,
+    cost 6 rows of forward in micro-batches of 4."""
     import ray
     from transformers import AutoTokenizer
 
@@ -114,20 +116,26 @@ def test_the_loss_gets_from_a_head_at_sampled_positions_only_the_logprobs_a_full
     prompts = [tuple(tokenizer.encode(BlackjackTextEnv().reset(seed % 7), add_special_tokens=False)) for seed in range(12)]
     pairs = [(p, prompts[(i + 3) % 12][i % 4:i % 4 + 1 + i % 3]) for i, p in enumerate(prompts)]  # 1-3 tokens each
     rank = TrainerActor.options(num_cpus=0.5).remote(
-        tiny_configs.trainer(lr=1e-3, micro_batch_size=5), model_dir=tiny_model_dir,
-        grpo=tiny_configs.grpo(entropy_coef=0.01), total_steps=1, rank=0, allowed_token_ids=None, temperature=0.7)
+        tiny_configs.trainer(lr=1e-3, micro_batch_size=4), model_dir=tiny_model_dir,
+        grpo=tiny_configs.grpo(entropy_coef=0.01), total_steps=2, rank=0, allowed_token_ids=None, temperature=0.7)
     group = TrainerGroup([rank], timeout_s=300)
+    states = sorted(set(prompts))[:6]
+    scattered = [Sample.completion(states[i % 6], (7 + i // 6 % 2,), behaviour_logprobs=(-0.7,),
+                                   advantage=1.0 if i // 12 else -1.0, policy_version=0) for i in range(24)]
     try:
         group.setup()
         scored = ray.get(rank.score.remote(pairs), timeout=300)
         samples = [Sample.completion(p, r, behaviour_logprobs=s.logprobs, advantage=1.0 if i % 2 else -1.0,
                                      policy_version=0) for i, ((p, r), s) in enumerate(zip(pairs, scored))]
         stats = asyncio.run(group.train_step(samples))
+        shared = asyncio.run(group.train_step(scattered))
     finally:
         group.shutdown()
         ray.kill(rank)
     assert stats["logprob_diff"] < 1e-6 and stats["ratio_mean"] == pytest.approx(1.0, abs=1e-6), stats
     assert stats["num_tokens"] == sum(len(r) for _, r in pairs) and stats["entropy"] > 0
+    assert len(set(states)) == 6 and len({(s.token_ids, s.advantage) for s in scattered}) == 24
+    assert shared["num_tokens"] == 24 and shared["forward_rows"] == 6, shared
 
 
 def test_two_rank_checkpoint_resumes_bit_for_bit_and_a_nan_step_is_skipped(ray_cluster, tiny_model_dir, tmp_path):

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from ray_forge.config.schema import GRPOConfig, TrainerConfig
 from ray_forge.core.algorithm import TOKEN_STATS as STATS
 from ray_forge.core.algorithm import grpo_loss, loss_normalizer, sft_loss, token_logprobs_and_entropy
-from ray_forge.core.batch import PackedBatch, TensorBatch, collate, collate_packed, sampled_logprobs
+from ray_forge.core.batch import PackedBatch, TensorBatch, collate, collate_packed, inputs_together, sampled_logprobs
 from ray_forge.core.checkpoint import TRAINER_DIR, rank_file
 from ray_forge.core.episode import Sample, Scored
 from ray_forge.models.devices import require_dtype
@@ -61,6 +61,8 @@ class TitanTrainer:
         self.model = self.adapter = self.optimizer = self.scheduler = None
         self._head_rows: torch.Tensor | None = None
         """Set during ``_forward_at``: the positions the output head is applied at."""
+        self._forward_rows = 0
+        """The rows ``_forward_at`` ran in this step: the distinct inputs of each micro-batch."""
         self.average: dict[str, torch.Tensor] | None = None
         """The moving average of the weights (``trainer.ema_decay``), sharded like them."""
         self.store: WeightStore | None = None
@@ -100,8 +102,9 @@ class TitanTrainer:
             self.scheduler.step()
             self._average_in()
             self.version += 1
-            return dict(loss=0.0, **dict.fromkeys(STATS, 0.0), num_tokens=0.0,
+            return dict(loss=0.0, **dict.fromkeys(STATS, 0.0), num_tokens=0.0, forward_rows=0.0,
                         grad_norm=0.0, lr=lr, version=self.version, skipped_nonfinite=0.0)
+        samples = inputs_together(samples)
         full = collate(samples)
         normalizer = loss_normalizer(full.mask_BT, full.weights_B, self.grpo.token_aggregation)
         rows = self._my_rows(len(samples))
@@ -110,6 +113,7 @@ class TitanTrainer:
             mine = _with_padding_row(mine)
         sums = dict(loss=0.0, **dict.fromkeys(STATS, 0.0))
         num_tokens = float((mine.mask_BT * mine.weights_B[:, None]).sum())
+        self._forward_rows = 0
         for start in range(0, mine.inputs_BT.shape[0], self.cfg.micro_batch_size):
             micro = _slice(mine, start, start + self.cfg.micro_batch_size).to(self.device)
             terms = self._loss(micro, normalizer)
@@ -134,8 +138,8 @@ class TitanTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._average_in()
         self.version += 1
-        return dict(sums, num_tokens=num_tokens, grad_norm=grad_norm, lr=lr, version=self.version,
-                    skipped_nonfinite=float(skipped))
+        return dict(sums, num_tokens=num_tokens, forward_rows=float(self._forward_rows), grad_norm=grad_norm, lr=lr,
+                    version=self.version, skipped_nonfinite=float(skipped))
 
     @torch.no_grad()
     def _average_in(self) -> None:
@@ -165,6 +169,7 @@ class TitanTrainer:
     def _forward_at(self, inputs_DT: torch.Tensor, rows_DT: torch.Tensor) -> torch.Tensor:
         """The model's logits at ``rows_DT``'s positions only (``sampled_logprobs``' forward)."""
         self._head_rows = rows_DT
+        self._forward_rows += len(inputs_DT)  # distinct inputs: what the step's forwards cost
         try:
             return self.model(inputs_DT)
         finally:

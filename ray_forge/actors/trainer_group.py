@@ -138,11 +138,12 @@ class TrainerGroup:
 
 
 def combine_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Loss shares add up (each rank divides by the global normaliser); other statistics are
+    """Loss shares and forwarded rows add up (each rank divides by the global normaliser); other statistics are
     token-weighted means; grad norm, lr, version and a skipped update are the same on every rank."""
     num_tokens = sum(s["num_tokens"] for s in per_rank) or 1.0
     stats = {k: sum(s[k] for s in per_rank) / num_tokens for k in _TOKEN_WEIGHTED}
     stats.update(loss=sum(s["loss"] for s in per_rank), num_tokens=num_tokens,
+                 forward_rows=sum(s.get("forward_rows", 0.0) for s in per_rank),
                  grad_norm=per_rank[0]["grad_norm"], lr=per_rank[0]["lr"], version=per_rank[0]["version"],
                  skipped_nonfinite=per_rank[0]["skipped_nonfinite"])
     return stats

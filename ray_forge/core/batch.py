@@ -89,6 +89,15 @@ def sampled_logprobs(forward: HeadForward, inputs_BT: torch.Tensor, targets_BT: 
     return zeros_BT.index_put(where, logprobs_M), zeros_BT.index_put(where, entropy_M)
 
 
+def inputs_together(samples: list[Sample]) -> list[Sample]:
+    """``samples`` ordered so that rows with the same input (tokens but the last) are neighbours.
+
+    ``sampled_logprobs`` runs each distinct input once *within a micro-batch*; a BlackJack batch
+    holds up to four rows per state (each answer, each advantage sign), and in the buffer's order
+    they rarely share one. The loss is a sum over rows, so the order changes no gradient."""
+    return sorted(samples, key=lambda s: s.token_ids[:-1])
+
+
 def response_logprobs(batch: TensorBatch, logprobs_BT: torch.Tensor) -> list[tuple[float, ...]]:
     """Per-row response-token logprobs, in the layout of ``Sample.behaviour_logprobs``."""
     rows = []
