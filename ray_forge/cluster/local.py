@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -54,6 +53,10 @@ def _node_args(node: NodeSpec) -> list[str]:
     if node.resources:
         args.append(f"--resources={json.dumps(node.resources)}")
     return args
+
+
+def _tail(log: Path, lines: int = 5) -> str:
+    return f"{log} ends:\n" + "\n".join(log.read_text(errors="replace").strip().splitlines()[-lines:])
 
 
 _joined: "LocalCluster | None" = None
@@ -103,12 +106,8 @@ class LocalCluster:
         return f"http://{self.nodes[0].ip}:{self.dashboard_port}"
 
     def start(self) -> "LocalCluster":
-        head = self.nodes[0]
-        self._spawn([self.ray, "start", "--head", "--block", f"--port={self.gcs_port}", f"--temp-dir={self.node_dir(0)}",
-                     f"--include-dashboard={str(self.dashboard).lower()}", f"--dashboard-host={head.ip}",
-                     f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
-                     *_node_args(head)])
-        self._wait_for_port(head.ip, self.gcs_port)
+        self._spawn_head()
+        self._wait_started(0)
         for index in range(1, len(self.nodes)):
             self._spawn_worker(index)
         for index in range(1, len(self.nodes)):
@@ -199,6 +198,14 @@ class LocalCluster:
             proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[index:index + 1] = [proc]
 
+    def _spawn_head(self) -> None:
+        # Fresh ports on every try, as for a worker; no worker has been given the address yet.
+        head, self.gcs_port, self.dashboard_port = self.nodes[0], free_port(), free_port()
+        self._spawn([self.ray, "start", "--head", "--block", f"--port={self.gcs_port}", f"--temp-dir={self.node_dir(0)}",
+                     f"--include-dashboard={str(self.dashboard).lower()}", f"--dashboard-host={head.ip}",
+                     f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
+                     *_node_args(head)], 0)
+
     def _spawn_worker(self, index: int) -> None:
         # Fresh ports on every try: one chosen free may have been taken since (see ``free_port``).
         self._spawn([self.ray, "start", "--block", f"--address={self.address}", *_node_args(self.nodes[index]),
@@ -218,13 +225,17 @@ class LocalCluster:
     def _wait_started(self, index: int) -> None:
         """Until node ``index``'s ``ray start`` says its raylet registered. It is tried again, with
         new ports, when it exits or hangs first: on a busy machine a port chosen free can be taken
-        before the raylet binds it, and ``ray start`` gives up after 30 s without an answer from the
-        GCS. Each try has ``start_timeout_s``."""
+        before the raylet binds it, and ``ray start`` gives up when its raylet has not registered
+        with the GCS within 30 s (Ray's own bound), the head's too, which then takes its GCS down
+        with it. Each try has ``start_timeout_s``; a worker's ends early if the head has exited."""
         for attempt in range(1, START_ATTEMPTS + 1):
             deadline = time.monotonic() + self.start_timeout_s
             while self.procs[index].poll() is None and time.monotonic() < deadline:
                 if STARTED in self.logs[index].read_text(errors="replace"):
                     return
+                if index and self.procs[0].poll() is not None:
+                    raise RuntimeError(f"the head node exited (rc {self.procs[0].returncode}) while node {index} "
+                                       f"started; {_tail(self.logs[0])}")
                 time.sleep(0.2)
             failed, hung = self.logs[index], self.procs[index].poll() is None
             self._kill_group(self.procs[index])
@@ -232,22 +243,9 @@ class LocalCluster:
             if attempt < START_ATTEMPTS:
                 log.warning("node %d (%s) failed to start (%s, see %s); trying again with new ports",
                             index, self.nodes[index].ip, why, failed)
-                self._spawn_worker(index)
-        tail = failed.read_text(errors="replace").strip().splitlines()[-5:]
+                self._spawn_head() if index == 0 else self._spawn_worker(index)
         raise RuntimeError(f"node {index} ({self.nodes[index].ip}) failed to start {START_ATTEMPTS} times "
-                           f"(last: {why}); {failed} ends:\n" + "\n".join(tail))
-
-    def _wait_for_port(self, host: str, port: int) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.procs[0].poll() is not None:
-                raise RuntimeError(f"the head node exited during start-up (rc {self.procs[0].returncode}); "
-                                   f"see {self.logs[0]}")
-            with socket.socket() as sock:
-                if sock.connect_ex((host, port)) == 0:
-                    return
-            time.sleep(0.5)
-        raise TimeoutError(f"the head node's GCS did not listen on {host}:{port} within {self.start_timeout_s:.0f}s")
+                           f"(last: {why}); {_tail(failed)}")
 
     def connect(self, **init_kwargs) -> None:
         """``ray.init`` this process into the cluster and wait until every node is alive."""
