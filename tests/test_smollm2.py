@@ -252,3 +252,16 @@ def test_make_demo_real_runs_two_steps_and_writes_what_the_tiny_demo_writes(smol
     assert reading["difference"] < 2e-3, reading
     print(f"zero-shot exact return {rows[0]['eval_return']:.4f}; steps {[round(r.get('step_time_s', 0), 1) for r in rows]} s; "
           f"final {summary['exact_return']:.4f}, read independently {reading['exact_return']:.4f}")
+
+
+def test_each_action_word_is_one_token_though_smollm2_spells_it_two_ways(smollm2):
+    """``hit`` and `` hit`` are both single tokens of SmolLM2's vocabulary: the constraint keeps
+    one per word, so sampling and greedy answers read the same two-way choice."""
+    from transformers import AutoTokenizer
+
+    from ray_forge.actors.policy import action_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    spaced = [tokenizer.encode(" " + w, add_special_tokens=False) for w in ("hit", "stick")]
+    assert all(len(ids) == 1 for ids in spaced)
+    assert action_token_ids(tokenizer, ("hit", "stick")) == sorted(tokenizer.convert_tokens_to_ids(["hit", "stick"]))

@@ -30,15 +30,21 @@ log = logging.getLogger(__name__)
 
 
 def action_token_ids(tokenizer, words: tuple[str, ...]) -> list[int] | None:
-    """The token of each action word, bare or after a space; None when some word is not one
-    token, since a one-token restricted sample could not spell it (``action_choice`` then)."""
-    ids: set[int] = set()
+    """One token per action word: the word bare, or after a space when only that is one token;
+    None when neither is, since a one-token restricted sample could not spell it
+    (``action_choice`` then).
+
+    One, not both: a word with two tokens splits its probability between them, and a greedy
+    answer takes the single likeliest token, so a policy that samples hit 0.6 of the time
+    (0.35 + 0.25) answered stick to the 0.4 of the other word; the entropy bonus also counted
+    four answers where there are two (SmolLM2 has ``hit``, `` hit``, ``stick`` and `` stick``)."""
+    ids = []
     for word in words:
-        singles = [t for text in (word, " " + word)
+        singles = [t[0] for text in (word, " " + word)
                    if len(t := tokenizer.encode(text, add_special_tokens=False)) == 1]
         if not singles:
             return None
-        ids.update(t[0] for t in singles)
+        ids.append(singles[0])
     return sorted(ids)
 
 
