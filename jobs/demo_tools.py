@@ -57,6 +57,17 @@ def starting_model(model: str) -> list[str]:
     return [f"model.path={convert(smollm2_gguf(), ROOT.parent / 'models' / 'smollm2-135m')}"]
 
 
+def tool_use(row: dict) -> dict:
+    """An evaluation's reading of the tool, greedy and sampled: episodes with a well-formed call,
+    calls per episode, and the share of calls that failed."""
+    out = {}
+    for mode, prefix in (("greedy", "eval_"), ("sampled", "eval_sampled_")):
+        calls = row.get(f"{prefix}tool_calls", 0.0)
+        out[mode] = dict(called=row.get(f"{prefix}called"), calls_per_episode=calls,
+                         failed_calls=row.get(f"{prefix}tool_errors", 0.0) / calls if calls else None)
+    return out
+
+
 def job(script: str, *argv: str) -> dict:
     """Run a job script in its own process (its own Ray cluster), its log on this one's stderr;
     returns the summary it prints last."""
@@ -98,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(model=args.model, seed=args.seed, refused=args.refuse_tools, sft_dir=str(sft_dir), grpo_dir=summary["run_dir"],
                   start_sampled=evals[0]["eval_sampled_solved"], start_greedy=evals[0]["eval_solved"],
                   end_sampled=summary.get("sampled_solved"), end_greedy=summary.get("solved"),
+                  start=tool_use(evals[0]), end=tool_use(evals[-1]),
                   sft_s=round(sft_s, 1), total_s=round(time.monotonic() - start, 1))
     print(json.dumps(result))
     return result

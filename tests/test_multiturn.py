@@ -181,12 +181,14 @@ def _check_the_arithmetic_run(run_dir: Path) -> None:
         assert row["num_games"] == 16 and row["tool_calls_per_episode"] > 0
     for row in (rows[0], rows[-1]):
         assert 0.0 <= row["eval_sampled_solved"] <= 1.0 and row["eval_sampled_tool_calls"] > 0
+        assert 0.0 <= row["eval_sampled_called"] <= 1.0  # sampled at T=1 the script's calls may all break
+        assert row["eval_tool_calls"] == 2.0 and row["eval_tool_errors"] == 0.0 and row["eval_called"] == 1.0
     summary = json.loads((run_dir / "eval.json").read_text())
     assert len(summary["tasks"]) == 8 and all("sampled" in t for t in summary["tasks"])
     for task in summary["tasks"]:  # the greedy script: x set in one call, read in the next, then "7"
         tools = [m["content"] for m in task["messages"] if m["role"] == "tool"]
         assert tools == ["[no output]", SECRET] and task["tool_calls"] == 2, task["messages"]
-        assert task["tool_errors"] == 0 and task["error"] is None and task["reward"] == 0.0  # "7": wrong
+        assert task["tool_errors"] == task["malformed_calls"] == 0 and task["error"] is None and task["reward"] == 0.0  # "7": wrong
     assert summary["pictures"] == [str(run_dir / "learning_curve.png"), str(run_dir / "tool_use.png")]
     kept = sorted(p.name for p in (run_dir / "evaluations").iterdir())
     assert kept == ["step-00000.json", "step-00003.json"]  # every evaluation's episodes, the first included

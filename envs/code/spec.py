@@ -108,20 +108,20 @@ def evaluate(options: CodeOptions, decide: Decide, make_env: EnvMaker, *, play: 
     """The greedy episode of every evaluation task (the held-out split, or every task; seed
     ``-1 - i`` shows task ``i``), played as in training (tool calls included) and scored by the
     env's executor. Metrics: ``return`` (mean reward) and ``solved`` (share of tasks with reward
-    1), the same per task kind (``code_return``, ``math_solved``, ...), and with
-    ``eval_sampled`` the sampled episode's ``sampled_solved``, ``sampled_tool_calls`` (per
-    episode) and ``sampled_tool_errors``; the result adds the count of each error and ``tasks``,
+    1), the same per task kind (``code_return``, ``math_solved``, ...), the tool's use:
+    ``tool_calls`` and ``tool_errors`` per episode, and ``called``, the share of episodes with a
+    well-formed call (one that parsed, whatever it then did); and with ``eval_sampled`` the same
+    of the sampled episodes (``sampled_solved``, ``sampled_tool_calls``, ...). The result adds the count of each error and ``tasks``,
     one row per task with its reward, error, tool calls and chat (and ``sampled``, the same of
     its sampled episode)."""
     tasks = options.eval_list()
     seeds = [-1 - i for i in range(len(tasks))]
     rows = _rows(tasks, play(seeds))
-    metrics = _solved(rows)
+    metrics = dict(_solved(rows), **_tool_use(rows))
     if options.eval_sampled:
         sampled = _rows(tasks, play(seeds, greedy=False))
         metrics.update(sampled_solved=sum(row["reward"] == 1.0 for row in sampled) / len(sampled),
-                       sampled_tool_calls=sum(row["tool_calls"] for row in sampled) / len(sampled),
-                       sampled_tool_errors=sum(row["tool_errors"] for row in sampled) / len(sampled))
+                       **{f"sampled_{k}": v for k, v in _tool_use(sampled).items()})
         for row, other in zip(rows, sampled, strict=True):
             row["sampled"] = other
     errors = dict(Counter(row["error"] for row in rows if row["error"] is not None))
@@ -132,8 +132,16 @@ def _rows(tasks: list[Task], played: list) -> list[dict]:
     # The completion is the answer judged (the last turn); messages, the whole chat with tool calls.
     return [dict(id=task.id, kind=task.kind, reward=e.reward, error=e.error,
                  completion=e.turns[-1].text if e.turns else "", tool_calls=int(e.stats.get("tool_calls", 0)),
-                 tool_errors=int(sum(v for k, v in e.stats.items() if k.startswith("tool_error_"))), messages=list(e.messages))
+                 tool_errors=int(sum(v for k, v in e.stats.items() if k.startswith("tool_error_"))),
+                 malformed_calls=int(e.stats.get("tool_error_malformed", 0)), messages=list(e.messages))
             for task, e in zip(tasks, played, strict=True)]
+
+
+def _tool_use(rows: list[dict]) -> dict[str, float]:
+    n = len(rows)
+    return dict(tool_calls=sum(row["tool_calls"] for row in rows) / n,
+                tool_errors=sum(row["tool_errors"] for row in rows) / n,
+                called=sum(row["tool_calls"] > row["malformed_calls"] for row in rows) / n)
 
 
 def _solved(rows: list[dict]) -> dict[str, float]:
