@@ -29,30 +29,32 @@ def test_worker_nodes_started_together_each_start_on_the_first_try_with_sockets_
 
 
 def test_a_head_whose_first_start_fails_is_started_again_before_any_worker(caplog, monkeypatch):
-    """The head's ``ray start`` fails on its first try (its GCS port, chosen free, taken by
-    another process since: here a listening socket that is not Ray). The head is started again on
-    new ports, and the workers join it; before, the workers were sent to the port that answered,
-    each failed three times, and the error named a worker."""
-    import socket
+    """The head's ``ray start`` fails on its first try (under load Ray's gave up after its own 30 s
+    wait for the raylet, taking its GCS down; here the first try is a process that exits at once,
+    so the test does not wait those 30 s). The head is started again on new ports before any worker
+    is, and the workers join it; before, the workers were sent to the first head's port, each
+    failed three times, and the error named a worker."""
+    import sys
 
     import ray
 
-    from ray_forge.cluster import local
-
     caplog.set_level(logging.WARNING, logger="ray_forge.cluster.local")
-    taken = socket.socket()
-    taken.bind(("127.0.0.2", 0))
-    taken.listen()
-    cluster = LocalCluster(NODES[:2], start_timeout_s=60)
-    ports = iter([taken.getsockname()[1]])  # the next port chosen: the head's GCS port
-    real_free_port = local.free_port
-    monkeypatch.setattr(local, "free_port", lambda: next(ports, None) or real_free_port())
-    try:
-        with cluster:
-            retried = [r.getMessage() for r in caplog.records if "failed to start" in r.getMessage()]
-            assert len(retried) == 1 and retried[0].startswith("node 0 (127.0.0.2)"), retried
-            assert cluster.gcs_port != taken.getsockname()[1]
-            cluster.connect(log_to_driver=False)
-            assert sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]) == ["127.0.0.2", "127.0.0.3"]
-    finally:
-        taken.close()
+    spawned: list[list[str]] = []
+    real_spawn = LocalCluster._spawn
+
+    def first_head_exits(self, cmd, index=None):
+        spawned.append(cmd)
+        if len(spawned) == 1:  # the same arguments, to a program that says why and exits 1
+            cmd = [sys.executable, "-c", "raise SystemExit('the head failed to start (injected)')", *cmd[1:]]
+        real_spawn(self, cmd, index)
+
+    monkeypatch.setattr(LocalCluster, "_spawn", first_head_exits)
+    with LocalCluster(NODES[:2], start_timeout_s=60) as cluster:
+        retried = [r.getMessage() for r in caplog.records if "failed to start" in r.getMessage()]
+        assert len(retried) == 1 and retried[0].startswith("node 0 (127.0.0.2) failed to start (rc 1"), retried
+        assert ["--head" in cmd for cmd in spawned] == [True, True, False]  # both heads before the worker
+        first_port, second_port = (next(a for a in cmd if a.startswith("--port=")) for cmd in spawned[:2])
+        assert first_port != second_port == f"--port={cluster.gcs_port}"  # new ports for the second head
+        assert f"--address=127.0.0.2:{cluster.gcs_port}" in spawned[2]
+        cluster.connect(log_to_driver=False)
+        assert sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]) == ["127.0.0.2", "127.0.0.3"]
