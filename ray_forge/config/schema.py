@@ -197,7 +197,7 @@ class PolicyConfig:
     tokens in every prompt the engine and the trainer process); empty: no system turn."""
     block_size: int = at_least(0, 0)
     """Tokens per KV-cache block; prefix caching reuses whole blocks only. 0: vLLM's default (128
-    on CPU, where a prompt of 45 tokens never shares one; 16 on GPU)."""
+    on CPU, where a prompt of 45 tokens never shares one; 16 on GPU). On CPU, a multiple of 32."""
     max_model_len: int = at_least(2, 4096)
     """Longest prompt plus completion, in tokens, an engine serves."""
     kv_cache_mb: int = at_least(1, 4096)
