@@ -13,6 +13,15 @@ pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("own_ray_cluster")]
 NODES = [NodeSpec(f"127.0.0.{k}", num_cpus=1, memory_bytes=10**9, object_store_bytes=10**8) for k in (2, 3, 4, 5)]
 
 
+class BlockFailed(Exception):
+    """A failure inside a ``with LocalCluster`` block."""
+
+
+def _start_logs(cluster: LocalCluster) -> list:
+    """Every try's ``ray start`` output, the replaced ones too."""
+    return sorted(cluster.temp_dir.parent.glob(f"{cluster.temp_dir.name}_*.log"))
+
+
 def test_worker_nodes_started_together_each_start_on_the_first_try_with_sockets_of_their_own(caplog):
     import ray
 
@@ -26,6 +35,8 @@ def test_worker_nodes_started_together_each_start_on_the_first_try_with_sockets_
         for index, node in enumerate(NODES):
             assert plasma[node.ip].startswith(f"{cluster.node_dir(index)}/"), (index, plasma)
         assert all(logs.is_dir() for logs in cluster.log_dirs())
+    left = [cluster.node_dir(i) for i in range(len(NODES)) if cluster.node_dir(i).exists()] + _start_logs(cluster)
+    assert not left, left  # stopped cleanly: its sockets and logs went with it
 
 
 def test_a_head_whose_first_start_fails_is_started_again_before_any_worker(caplog, monkeypatch):
@@ -34,6 +45,7 @@ def test_a_head_whose_first_start_fails_is_started_again_before_any_worker(caplo
     so the test does not wait those 30 s). The head is started again on new ports before any worker
     is, and the workers join it; before, the workers were sent to the first head's port, each
     failed three times, and the error named a worker."""
+    import shutil
     import sys
 
     import ray
@@ -49,7 +61,8 @@ def test_a_head_whose_first_start_fails_is_started_again_before_any_worker(caplo
         real_spawn(self, cmd, index)
 
     monkeypatch.setattr(LocalCluster, "_spawn", first_head_exits)
-    with LocalCluster(NODES[:2], start_timeout_s=60) as cluster:
+    cluster = LocalCluster(NODES[:2], start_timeout_s=60)
+    with pytest.raises(BlockFailed), cluster:
         retried = [r.getMessage() for r in caplog.records if "failed to start" in r.getMessage()]
         assert len(retried) == 1 and retried[0].startswith("node 0 (127.0.0.2) failed to start (rc 1"), retried
         assert ["--head" in cmd for cmd in spawned] == [True, True, False]  # both heads before the worker
@@ -58,3 +71,8 @@ def test_a_head_whose_first_start_fails_is_started_again_before_any_worker(caplo
         assert f"--address=127.0.0.2:{cluster.gcs_port}" in spawned[2]
         cluster.connect(log_to_driver=False)
         assert sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]) == ["127.0.0.2", "127.0.0.3"]
+        raise BlockFailed
+    kept = [cluster.node_dir(0), cluster.node_dir(1), *_start_logs(cluster)]  # a failure's evidence stays
+    assert all(f.exists() for f in kept) and len(kept) == 5 and "node files are kept" in caplog.text  # 3 starts
+    for path in kept:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
