@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -92,6 +95,24 @@ def test_nixl_agents_made_here_wait_instead_of_spinning():
     cpu_s = (after.user - before.user) + (after.system - before.system)
     assert PROGRESS_DELAY_US >= 1000 and cpu_s < 0.5, f"an idle NIXL agent took {cpu_s:.2f} s of CPU in 2 s"
     del agent
+
+
+def test_ucx_folders_of_killed_processes_are_swept_and_live_ones_kept(tmp_path):
+    """A killed process never runs its exit hook: the next one here removes its empty folder, and
+    keeps a live process's folder and any folder that still holds a file."""
+    from ray_forge.weights.nixl import sweep_ucx_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"ray_forge-ucx-{gone.pid}-abc"
+    dead_with_file = tmp_path / f"ray_forge-ucx-{gone.pid}-def"
+    live = tmp_path / f"ray_forge-ucx-{os.getpid()}-ghi"
+    other = tmp_path / "ray_forge-ucx-notapid-jkl"
+    for path in (dead, dead_with_file, live, other):
+        path.mkdir()
+    (dead_with_file / "x.dot").write_text("")
+    assert sweep_ucx_dirs(tmp_path) == [dead]
+    assert not dead.exists() and dead_with_file.exists() and live.exists() and other.exists()
 
 
 def test_unavailable_transports_say_what_is_missing():

@@ -77,7 +77,8 @@ def watch_ucx() -> None:
     ``UCX_DEFAULTS``, and ask UCX to write the protocols it selects for remote reads, the way
     buckets travel, into a folder of this process (unless the user set UCX_PROTO_INFO
     themselves; UCX prints to stdout where the folder is missing). ``note_ucx_transports`` reads
-    and removes its files after each fetch; the empty folder goes when the process exits."""
+    and removes its files after each fetch; the empty folder goes when the process exits, or, where
+    it was killed, when the next process here makes its own (``sweep_ucx_dirs``)."""
     global _UCX_INFO_DIR
     for key, value in UCX_DEFAULTS.items():
         os.environ.setdefault(key, value)
@@ -85,10 +86,39 @@ def watch_ucx() -> None:
     # settings: those are not the user's, and this process needs a folder of its own.
     inherited = Path(os.environ.get("UCX_PROTO_INFO_DIR", "")).name.startswith(_UCX_DIR_PREFIX)
     if _UCX_INFO_DIR is None and ("UCX_PROTO_INFO" not in os.environ or inherited):
+        sweep_ucx_dirs(Path(tempfile.gettempdir()))
         _UCX_INFO_DIR = Path(tempfile.mkdtemp(prefix=f"{_UCX_DIR_PREFIX}{os.getpid()}-"))
         atexit.register(shutil.rmtree, _UCX_INFO_DIR, ignore_errors=True)
         os.environ["UCX_PROTO_INFO"] = "*get*"
         os.environ["UCX_PROTO_INFO_DIR"] = str(_UCX_INFO_DIR)
+
+
+def sweep_ucx_dirs(parent: Path) -> list[Path]:
+    """Remove the empty UCX folders in ``parent`` of processes that are gone: a process killed
+    (as Ray kills actors) never runs its exit hook, and each left one behind. Only empty folders
+    go (``rmdir``), so a folder of a live process in another pid namespace that shares this /tmp
+    loses nothing but a file UCX writes again. Returns the folders removed."""
+    removed = []
+    for path in parent.glob(f"{_UCX_DIR_PREFIX}*-*"):
+        pid = path.name[len(_UCX_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            path.rmdir()
+        except OSError:  # not empty, not ours, or removed by another sweeping process
+            continue
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def note_ucx_transports() -> None:
