@@ -233,6 +233,7 @@ async def close_step(config: JobConfig, env: EnvSetup, actors: Actors, fleet: Fl
     eval_due = bool(config.run.eval_every) and (step % config.run.eval_every == 0 or step == config.run.steps)
     (checked, check_s), (evaluated, eval_s) = await asyncio.gather(
         timed(fleet.check_sync(actors.trainer, env.probe_prompts(), seed=config.run.seed + step,
+                               count=config.run.sync_check_prompts,
                                tolerance=config.run.sync_check_tolerance) if check_due else None, "sync_check_s"),
         timed(fleet.evaluate(RolloutSettings.of(config)) if eval_due else None, "eval_s"))
     row.update(**(checked or {}), **check_s)
@@ -255,6 +256,7 @@ async def end_on_average(config: JobConfig, env: EnvSetup, actors: Actors, fleet
     if not config.run.sync_check_every:
         return {}
     return await fleet.check_sync(actors.trainer, env.probe_prompts(), seed=config.run.seed + version,
+                                  count=config.run.sync_check_prompts,
                                   tolerance=config.run.sync_check_tolerance)
 
 

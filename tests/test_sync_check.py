@@ -3,7 +3,7 @@
 import pytest
 
 from ray_forge.core.episode import Scored, Turn
-from ray_forge.run.sync_check import compare
+from ray_forge.run.sync_check import compare, draw
 
 
 def _turn(prompt: tuple[int, ...], token: int, logprob: float) -> Turn:
@@ -27,3 +27,12 @@ def test_answers_of_different_prompts_are_refused():
     sampled = [_turn(p, 7, -0.1) for p in reversed(PROMPTS)]
     with pytest.raises(ValueError, match="same prompts"):
         compare(greedy, sampled, [Scored((-0.1,), 7)] * 3)
+
+
+def test_a_check_asks_a_fresh_draw_of_the_probes_or_all_of_them():
+    probes = [f"state {i}" for i in range(360)]
+    first, again, next_check = draw(probes, 64, seed=7), draw(probes, 64, seed=7), draw(probes, 64, seed=8)
+    assert len(first) == len(set(first)) == 64 and set(first) <= set(probes)
+    assert first == again and first != next_check
+    assert first == sorted(first, key=probes.index)  # in the probes' order
+    assert draw(probes, 0, seed=7) == probes and draw(probes[:10], 64, seed=7) == probes[:10]

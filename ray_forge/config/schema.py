@@ -447,6 +447,10 @@ class RunConfig:
     sync_check_every: int = at_least(0, 10)
     """After every N-th weight sync, compare policy-0 with the trainer on the env's probe prompts
     (greedy agreement, largest logprob difference; see ``ray_forge/run/sync_check.py``). 0: never."""
+    sync_check_prompts: int = at_least(0, 0)
+    """How many of the env's probe prompts a sync check asks, a fresh draw each check (seeded by
+    the run's seed and the version): a wrong reload shows in any of them, and BlackJack's 360
+    cost a real model on CPU more than its step's playing. 0: all of them."""
     sync_check_tolerance: float = positive(0.05)
     """Largest logprob difference that is not an error: 0.05 suits a bf16 engine (it differs from
     the trainer by about 1e-2); 1e-4 suits float32 on both sides."""

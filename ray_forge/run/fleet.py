@@ -507,10 +507,10 @@ class Fleet:
         row = {f"eval_{name}": value for name, value in metrics.items()}
         return dict(result, policy_version=version), dict(row, eval_policy_version=version)
 
-    async def check_sync(self, trainer, prompts: list[str], *, seed: int, tolerance: float) -> dict:
-        """The first engine up (policy-0 unless it is down) against ``trainer`` on ``prompts`` right
-        after a sync (``sync_check.check``); nothing (and a warning) when it missed the sync, or no
-        engine is up: the next check compares again."""
+    async def check_sync(self, trainer, prompts: list[str], *, seed: int, tolerance: float, count: int = 0) -> dict:
+        """The first engine up (policy-0 unless it is down) against ``trainer`` on ``count`` of
+        ``prompts`` (``sync_check.draw``) right after a sync (``sync_check.check``); nothing (and a
+        warning) when it missed the sync, or no engine is up: the next check compares again."""
         up = self.engines_up()
         engine = up[0] if up else identity.policy(0)
         try:
@@ -518,7 +518,8 @@ class Fleet:
                 log.warning("%s is restarting or missed the sync of version %d; the sync check waits for the "
                             "next one", engine, self.version)
                 return {}
-            return await sync_check.check(self.members[engine], engine, trainer, prompts, seed=seed,
+            asked = sync_check.draw(prompts, count, seed)
+            return await sync_check.check(self.members[engine], engine, trainer, asked, seed=seed,
                                           tolerance=tolerance, timeout_s=self.timeout_s[Role.POLICY])
         except RemoteCallError as err:
             if not err.died or err.actor != engine:  # a dead trainer rank stops the run

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 from ray_forge.core.episode import Scored, Turn
 from ray_forge.identity import ActorId
@@ -33,6 +34,13 @@ def compare(greedy: list[Turn], sampled: list[Turn], sampled_scored: list[Scored
              for turn, score in zip(sampled, sampled_scored, strict=True)
              for engine, trainer in zip(turn.logprobs, score.logprobs, strict=True)]
     return dict(sync_greedy_agreement=agree / max(1, len(greedy)), sync_logprob_max_diff=max(diffs, default=0.0))
+
+
+def draw(prompts: list[str], count: int, seed: int) -> list[str]:
+    """``count`` of ``prompts`` (all of them when ``count`` is 0 or not fewer), in their order, drawn by ``seed``."""
+    if not count or count >= len(prompts):
+        return list(prompts)
+    return [prompts[i] for i in sorted(random.Random(seed).sample(range(len(prompts)), count))]
 
 
 async def check(policy, name: ActorId, trainer, prompts: list[str], *, seed: int, tolerance: float,
