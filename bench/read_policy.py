@@ -5,7 +5,8 @@ values the table exactly. This reads the saved ``final_policy/`` folder with tra
 instead (no vLLM, no Ray, no ray_forge model code): each state's prompt as the run asked it (its
 action words, and its chat template and system turn when ``policy.chat_prompts``), the greedy
 choice between the action words' tokens, then the exact return of that table. The two agree when
-the weights, the prompts and the evaluation are what the run says they are.
+the weights, the prompts and the evaluation are what the run says they are. It also reports the
+probability of hitting by the player's hard sum (the mean over the dealer's cards).
 
     python -m bench.read_policy runs/blackjack-smollm2-<time>
 
@@ -61,7 +62,7 @@ def read(run_dir: Path) -> dict:
     allowed = torch.tensor(sorted(choices))
     states = all_states()
     prompts = [prompt_ids(tokenizer, state, config["policy"], words) for state in states]
-    table = {}
+    table, hit_prob = {}, {}
     with torch.no_grad():
         for first in range(0, len(states), CHUNK):
             chunk = prompts[first:first + CHUNK]
@@ -69,13 +70,25 @@ def read(run_dir: Path) -> dict:
             for row, ids in enumerate(chunk):  # right padding: a causal model never looks ahead
                 batch[row, :len(ids)] = torch.tensor(ids)
             hidden = model.model(batch).last_hidden_state[torch.arange(len(chunk)), [len(ids) - 1 for ids in chunk]]
-            best = model.lm_head(hidden)[:, allowed].argmax(-1)
-            for state, pick in zip(states[first:first + CHUNK], best.tolist()):
-                table[state] = float(choices[int(allowed[pick])])
+            probs = model.lm_head(hidden)[:, allowed].softmax(-1)
+            for state, row_probs in zip(states[first:first + CHUNK], probs):
+                table[state] = float(choices[int(allowed[row_probs.argmax()])])
+                hit_prob[state] = sum(float(p) for p, i in zip(row_probs, allowed.tolist()) if choices[i] == 1)
     mine = evaluate_table(table)
     theirs = json.loads((run_dir / "eval.json").read_text())["exact_return"]
     return dict(bench="read_policy", run_dir=str(run_dir), exact_return=mine, run_exact_return=theirs,
-                difference=abs(mine - theirs), hit_states=int(sum(table.values())))
+                difference=abs(mine - theirs), hit_states=int(sum(table.values())),
+                hard_hit_probability=hit_probability_by_sum(hit_prob))
+
+
+def hit_probability_by_sum(hit_prob: dict) -> dict[int, float]:
+    """The mean probability of hitting over the dealer's cards, by the player's hard sum: whether the
+    policy has begun to tell states apart, which the greedy table hides while one answer leads everywhere."""
+    sums: dict[int, list[float]] = {}
+    for state, prob in hit_prob.items():
+        if not state.usable_ace:
+            sums.setdefault(state.player_sum, []).append(prob)
+    return {total: round(sum(probs) / len(probs), 4) for total, probs in sorted(sums.items())}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -251,6 +251,8 @@ def test_make_demo_real_runs_two_steps_and_writes_what_the_tiny_demo_writes(smol
 
     reading = read(run_dir)
     assert reading["difference"] < 2e-3, reading
+    by_sum = reading["hard_hit_probability"]  # every hard sum asked, a probability each
+    assert list(by_sum) == list(range(min(by_sum), max(by_sum) + 1)) and all(0 <= p <= 1 for p in by_sum.values())
     print(f"zero-shot exact return {rows[0]['eval_return']:.4f}; steps {[round(r.get('step_time_s', 0), 1) for r in rows]} s; "
           f"final {summary['exact_return']:.4f}, read independently {reading['exact_return']:.4f}")
 
