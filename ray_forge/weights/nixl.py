@@ -100,8 +100,8 @@ def sweep_ucx_dirs(parent: Path) -> list[Path]:
     loses nothing but a file UCX writes again. Returns the folders removed."""
     removed = []
     for path in parent.glob(f"{_UCX_DIR_PREFIX}*-*"):
-        pid = path.name[len(_UCX_DIR_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        pid = re.fullmatch(rf"{_UCX_DIR_PREFIX}(\d+)-.+", path.name)
+        if pid is None or _alive(int(pid.group(1))):
             continue
         try:
             path.rmdir()
