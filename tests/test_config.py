@@ -71,6 +71,7 @@ def test_a_trainer_may_run_more_torch_threads_than_the_cpus_it_holds():
         ("env.resources.threads=2", "env.resources.threads is for the trainer and the reference"),
         ("policy.chat_prompts=true env.episode.mode=sequence", "policy.chat_prompts is for text prompts"),
         ("policy.system_prompt=hi", "policy.system_prompt needs policy.chat_prompts=true"),
+        ("grpo.center_actions=true", "grpo.center_actions needs policy.constrain_to_actions=true"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):

@@ -181,15 +181,16 @@ class TitanTrainer:
         return None if self._head_rows is None else (args[0][self._head_rows],)
 
     def _loss(self, micro: TensorBatch, normalizer: torch.Tensor):
-        logprobs_BT, entropy_BT = sampled_logprobs(self._forward_at, micro.inputs_BT, micro.targets_BT, micro.mask_BT,
-                                                   self.allowed, self.temperature)
+        logprobs_BT, entropy_BT, *actions = sampled_logprobs(self._forward_at, micro.inputs_BT, micro.targets_BT,
+                                                             micro.mask_BT, self.allowed, self.temperature,
+                                                             with_actions=self.grpo.center_actions)
         return grpo_loss(
             logprobs_BT, micro.behaviour_logprobs_BT, micro.advantages_B, micro.mask_BT,
             clip_eps=self.grpo.clip_eps, weights_B=micro.weights_B,
             ref_logprobs_BT=micro.ref_logprobs_BT, kl_coef=self.grpo.kl_coef,
             entropy_BT=entropy_BT, entropy_coef=self.grpo.entropy_coef,
             aggregation=self.grpo.token_aggregation, normalizer=normalizer.to(self.device),
-            tis_cap=self.grpo.tis_cap,
+            tis_cap=self.grpo.tis_cap, actions=actions[0] if actions else None,
         )
 
     def sft_step(self, rows: list) -> dict[str, float]:

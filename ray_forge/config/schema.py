@@ -370,6 +370,12 @@ class GRPOConfig:
     bf16 and the trainer computes otherwise: the step metric ``logprob_diff`` shows the gap.
     With one optimizer step per batch the PPO clip then never acts (its ratio is the trainer's
     against itself): the cap is what bounds a token's weight."""
+    center_actions: bool = False
+    """Subtract the micro-batch's mean answer-logit gradient from every decision's (see
+    ``ray_forge.core.algorithm.shared_direction_term``; needs ``policy.constrain_to_actions``).
+    A pretrained model asked one template with a few numbers changed gives every state nearly the
+    same gradient (SmolLM2 on BlackJack: 99% of it shared), so plain GRPO moves every state's answer
+    together and the table flips as a block; centred, a step can only tell states apart."""
     token_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How token losses make the batch loss (see ``ray_forge.core.algorithm.loss_normalizer``)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -543,6 +549,9 @@ class JobConfig:
             raise ConfigError(f"buffer.capacity_games ({self.buffer.capacity_games}) is smaller than a step's "
                               f"{self.grpo.games_per_step} games (grpo.prompts_per_step x grpo.samples_per_prompt): "
                               "no batch could ever be sampled")
+        if self.grpo.center_actions and not self.policy.constrain_to_actions:
+            raise ConfigError("grpo.center_actions needs policy.constrain_to_actions=true: it centres the gradient "
+                              "on the action words' logits, and an unconstrained answer has no such set")
         if self.policy.system_prompt is not None and not self.policy.chat_prompts:
             raise ConfigError("policy.system_prompt needs policy.chat_prompts=true: a plain-text prompt has no system turn")
         if self.policy.chat_prompts and self.env.episode.mode == "sequence":

@@ -122,6 +122,7 @@ def grpo_loss(
     aggregation: Aggregation = "token-mean",
     normalizer: torch.Tensor | None = None,
     tis_cap: float = 0.0,
+    actions: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> LossTerms:
     """Clipped policy-ratio loss against the behaviour policy's logprobs (importance-corrected).
 
@@ -133,6 +134,10 @@ def grpo_loss(
     against the trainer's own logprobs before this update (pi_old, detached), and each token's
     term is weighted by min(pi_old / pi_behaviour, tis_cap), detached. The engine's numerics then
     weight the gradient instead of moving the clip window, and the cap bounds its variance.
+
+    With ``actions`` (each read token's logprobs over the action words and a one-hot of the word
+    sampled, in ``mask_BT``'s row-major order): the policy term's gradient is centred across the
+    tokens (``shared_direction_term``).
     """
     mask_BT = mask_BT.to(logprobs_BT.dtype)
     if weights_B is None:
@@ -150,6 +155,13 @@ def grpo_loss(
     adv_B1 = advantages_B[:, None]
     pg_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1) * tis_BT
     per_token_BT = pg_BT
+    centring = torch.zeros((), dtype=logprobs_BT.dtype, device=logprobs_BT.device)
+    if actions is not None:
+        with torch.no_grad():  # -d(pg)/d(logprob): what the policy term weighs each token's score by
+            coef_BT = torch.where(ratio_BT * adv_B1 <= clipped_BT * adv_B1, ratio_BT * adv_B1 * tis_BT, 0.0) * mask_BT
+            if aggregation == "seq-mean-token-mean":
+                coef_BT = coef_BT / mask_BT.sum(dim=1, keepdim=True).clamp(min=1)
+        centring = shared_direction_term(*actions, coef_BT[mask_BT > 0]) / normalizer
     w_B1 = weights_B[:, None]
     kl_BT = torch.zeros_like(logprobs_BT)
     if ref_logprobs_BT is not None:
@@ -171,7 +183,22 @@ def grpo_loss(
             logprob_diff=((old_BT - behaviour_logprobs_BT).abs() * token_weight_BT).sum() / num_tokens,
             tis_weight=(tis_BT * token_weight_BT).sum() / num_tokens,
         )
-    return LossTerms(loss=aggregate(per_token_BT, mask_BT, aggregation, normalizer), **stats)
+    return LossTerms(loss=aggregate(per_token_BT, mask_BT, aggregation, normalizer) + centring, **stats)
+
+
+def shared_direction_term(action_logprobs_MA: torch.Tensor, chosen_MA: torch.Tensor, coef_M: torch.Tensor) -> torch.Tensor:
+    """A term whose gradient cancels what a policy loss's gradient shares across decisions.
+
+    A loss -sum_i c_i log pi(a_i | s_i) gives decision i's action logits the gradient
+    -c_i (onehot_i - pi_i). Adding sum_i m . log pi(. | s_i), with m the mean of c_i (onehot_i - pi_i)
+    over the decisions (detached; its entries sum to 0, so the log-softmax's normaliser drops out),
+    subtracts that mean from every decision's: what is left moves one state's answer against
+    another's, never all of them one way. Biased by design: the mean is exactly the update that
+    would shift every state alike, which a pretrained model's near-identical prompts make
+    the whole of the step."""
+    with torch.no_grad():
+        mean_A = (coef_M[:, None] * (chosen_MA - action_logprobs_MA.exp())).mean(0)
+    return (action_logprobs_MA * mean_A).sum()
 
 
 def sft_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.Tensor,

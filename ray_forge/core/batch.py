@@ -67,7 +67,7 @@ the positions where ``rows_DT`` is true (``[N, V]``, in row-major order)."""
 
 def sampled_logprobs(forward: HeadForward, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.Tensor,
                      allowed_ids: torch.Tensor | None = None,
-                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     temperature: float = 1.0, with_actions: bool = False) -> tuple[torch.Tensor, ...]:
     """Each sampled target's logprob and its distribution's entropy (``token_logprobs_and_entropy``)
     where ``mask_BT`` is set, zero elsewhere; gradients flow as if each row ran its own forward.
 
@@ -75,18 +75,28 @@ def sampled_logprobs(forward: HeadForward, inputs_BT: torch.Tensor, targets_BT: 
     their input and differ only in the token they predict or their advantage's sign (in a BlackJack
     batch half the rows repeat another's input). And the output head runs only at the positions
     some row reads: a one-token answer reads one position of its prompt, and a full head at every
-    position costs a vocabulary-wide row each (49k floats for SmolLM2), several copies over."""
+    position costs a vocabulary-wide row each (49k floats for SmolLM2), several copies over.
+
+    ``with_actions`` adds a third value for ``grpo_loss``'s ``actions``: each read token's logprobs
+    over ``allowed_ids`` (the distribution it was drawn from) and a one-hot of the one drawn."""
     read_BT = mask_BT > 0
     distinct_DT, inverse_B = torch.unique(inputs_BT, dim=0, return_inverse=True)
     need_DT = torch.zeros(distinct_DT.shape, dtype=torch.long, device=inputs_BT.device)
     need_DT = need_DT.index_add_(0, inverse_B, read_BT.long()) > 0
     slot_DT = need_DT.flatten().cumsum(0).view_as(need_DT) - 1  # each needed position's row in the head's output
-    logits_NV = forward(distinct_DT, need_DT)
-    logprobs_M, entropy_M = token_logprobs_and_entropy(logits_NV[slot_DT[inverse_B][read_BT]], targets_BT[read_BT],
-                                                       allowed_ids, temperature)
+    logits_MV = forward(distinct_DT, need_DT)[slot_DT[inverse_B][read_BT]]
+    targets_M = targets_BT[read_BT]
+    logprobs_M, entropy_M = token_logprobs_and_entropy(logits_MV, targets_M, allowed_ids, temperature)
     where = read_BT.nonzero(as_tuple=True)
     zeros_BT = logprobs_M.new_zeros(read_BT.shape)
-    return zeros_BT.index_put(where, logprobs_M), zeros_BT.index_put(where, entropy_M)
+    out = zeros_BT.index_put(where, logprobs_M), zeros_BT.index_put(where, entropy_M)
+    if not with_actions:
+        return out
+    if allowed_ids is None:
+        raise ValueError("with_actions needs allowed_ids: the action words' tokens")
+    scale = temperature if temperature > 0 else 1.0
+    action_logprobs_MA = torch.log_softmax(logits_MV[:, allowed_ids].float() / scale, dim=-1)
+    return *out, (action_logprobs_MA, (targets_M[:, None] == allowed_ids[None, :]).to(action_logprobs_MA.dtype))
 
 
 def inputs_together(samples: list[Sample]) -> list[Sample]:
