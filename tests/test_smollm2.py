@@ -268,3 +268,15 @@ def test_each_action_word_is_one_token_though_smollm2_spells_it_two_ways(smollm2
     spaced = [tokenizer.encode(" " + w, add_special_tokens=False) for w in ("hit", "stick")]
     assert all(len(ids) == 1 for ids in spaced)
     assert action_token_ids(tokenizer, ("hit", "stick")) == sorted(tokenizer.convert_tokens_to_ids(["hit", "stick"]))
+
+
+def test_smollm2_reads_the_blackjack_state_but_its_gradient_is_nearly_the_same_in_every_state(smollm2):
+    """``bench/blackjack_gradients.py`` on the converted folder: a linear probe of the answer
+    position's hidden state finds the optimal action, while the answer's gradient is mostly the
+    states' common mean, which is why ``grpo.center_actions`` exists (docs/benchmarks/2026-12-07-3.md)."""
+    from bench.blackjack_gradients import measure
+
+    reading = measure(str(smollm2))
+    assert reading["probe_accuracy"] > 0.9 and reading["probe_exact_return"] > -0.07, reading
+    assert reading["shared_share"] > 0.9, reading
+    assert list(reading["hit_probability"]) == list(range(4, 22)), reading

@@ -1,0 +1,109 @@
+"""Why a pretrained model's BlackJack table flips as a block: its states' gradients are one.
+
+For a model folder (default: the converted SmolLM2), asked as ``jobs/configs/blackjack_smollm2.yaml``
+asks it (chat template, the words hit and stick), this reads with plain transformers:
+
+- ``probe_accuracy``: a logistic regression on the final hidden state at the answer position,
+  fitted to the optimal table's action with 5-fold cross-validation, and the exact return of the
+  table it predicts. High: the state is there to be read.
+- ``shared_share``: the answer-logit gradient (log p(hit) - log p(stick), over every parameter) of
+  a spread of hard states, and the share of their squared norm that is their common mean. Near 1:
+  a policy-gradient step moves every state's answer the same way, whatever the advantages say.
+- ``hit_probability``: the zero-shot probability of hitting by hard sum (the mean over dealers).
+
+    python -m bench.blackjack_gradients [--model models/smollm2-135m]
+
+Last line: a JSON object with the three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.read_policy import action_ids, hit_probability_by_sum, prompt_ids
+from envs.blackjack import State
+from envs.blackjack.exact import all_states, evaluate_table, optimal_table
+
+WORDS = ("hit", "stick")
+POLICY = {"chat_prompts": True}
+GRADIENT_STATES = [State(total, dealer, False) for total in (5, 8, 11, 14, 17, 20) for dealer in (3, 7)]
+
+
+def answer_logit(model, ids: list[int], hit: list[int], stick: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final hidden state and log p(hit) - log p(stick) at the answer position."""
+    hidden = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+    logits = model.lm_head(hidden)
+    return hidden, torch.logsumexp(logits[hit], -1) - torch.logsumexp(logits[stick], -1)
+
+
+def probe(features: torch.Tensor, labels: torch.Tensor, folds: int = 5) -> torch.Tensor:
+    """Cross-validated predictions of an L2-regularised logistic regression on standardised features."""
+    features = (features - features.mean(0)) / (features.std(0) + 1e-6)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    predictions = torch.zeros_like(labels)
+    for fold in order.chunk(folds):
+        train = order[~torch.isin(order, fold)]
+        weight = torch.zeros(features.shape[1] + 1, requires_grad=True)
+        optimizer = torch.optim.LBFGS([weight], max_iter=200)
+
+        def closure():
+            optimizer.zero_grad()
+            scores = features[train] @ weight[:-1] + weight[-1]
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(scores, labels[train]) + 1e-2 * weight[:-1].square().sum()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        with torch.no_grad():
+            predictions[fold] = (features[fold] @ weight[:-1] + weight[-1] > 0).float()
+    return predictions
+
+
+def shared_share(model, tokenizer, hit: list[int], stick: list[int]) -> float:
+    """Share of the states' gradients' squared norm that their mean carries: n |mean|^2 / sum |g|^2
+    (one running sum, not n gradients of 135M weights kept at once)."""
+    total, squares = None, 0.0
+    for state in GRADIENT_STATES:
+        model.zero_grad()
+        answer_logit(model, prompt_ids(tokenizer, state, POLICY, WORDS), hit, stick)[1].backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+        total = grad if total is None else total.add_(grad)
+        squares += float(grad.square().sum())
+    return float(total.square().sum()) / len(GRADIENT_STATES) / squares
+
+
+def measure(folder: str) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    choices = action_ids(tokenizer, WORDS)
+    hit = [token for token, action in choices.items() if action == 1]
+    stick = [token for token, action in choices.items() if action == 0]
+    states, best = all_states(), optimal_table()
+    with torch.no_grad():
+        read = [answer_logit(model, prompt_ids(tokenizer, s, POLICY, WORDS), hit, stick) for s in states]
+    hidden = torch.stack([h for h, _ in read])
+    labels = torch.tensor([best[s] for s in states])
+    predicted = probe(hidden, labels)
+    return dict(bench="blackjack_gradients", model=folder,
+                probe_accuracy=round(float((predicted == labels).float().mean()), 4),
+                probe_exact_return=round(evaluate_table(dict(zip(states, predicted.tolist()))), 4),
+                optimal_exact_return=round(evaluate_table(best), 4),
+                shared_share=round(shared_share(model, tokenizer, hit, stick), 4),
+                hit_probability=hit_probability_by_sum({s: float(d.sigmoid()) for s, (_, d) in zip(states, read)}))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="models/smollm2-135m")
+    result = measure(parser.parse_args(argv).model)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
