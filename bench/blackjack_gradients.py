@@ -23,7 +23,7 @@ import json
 
 import torch
 
-from bench.read_policy import action_ids, hit_probability_by_sum, prompt_ids
+from bench.read_policy import CHUNK, action_ids, hit_probability_by_sum, prompt_ids
 from envs.blackjack import State
 from envs.blackjack.exact import all_states, evaluate_table, optimal_table
 
@@ -37,6 +37,21 @@ def answer_logit(model, ids: list[int], hit: list[int], stick: list[int]) -> tup
     hidden = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
     logits = model.lm_head(hidden)
     return hidden, torch.logsumexp(logits[hit], -1) - torch.logsumexp(logits[stick], -1)
+
+
+def answer_logits(model, prompts: list[list[int]], hit: list[int], stick: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``answer_logit`` of many prompts, in right-padded batches (a causal model never looks ahead)."""
+    hidden = []
+    for first in range(0, len(prompts), CHUNK):
+        chunk = prompts[first:first + CHUNK]
+        batch = torch.zeros(len(chunk), max(map(len, chunk)), dtype=torch.long)
+        for row, ids in enumerate(chunk):
+            batch[row, :len(ids)] = torch.tensor(ids)
+        states = model.model(batch).last_hidden_state
+        hidden.append(states[torch.arange(len(chunk)), [len(ids) - 1 for ids in chunk]])
+    hidden = torch.cat(hidden)
+    logits = model.lm_head(hidden)
+    return hidden, torch.logsumexp(logits[:, hit], -1) - torch.logsumexp(logits[:, stick], -1)
 
 
 def probe(features: torch.Tensor, labels: torch.Tensor, folds: int = 5) -> torch.Tensor:
@@ -85,8 +100,7 @@ def measure(folder: str) -> dict:
     stick = [token for token, action in choices.items() if action == 0]
     states, best = all_states(), optimal_table()
     with torch.no_grad():
-        read = [answer_logit(model, prompt_ids(tokenizer, s, POLICY, WORDS), hit, stick) for s in states]
-    hidden = torch.stack([h for h, _ in read])
+        hidden, logit = answer_logits(model, [prompt_ids(tokenizer, s, POLICY, WORDS) for s in states], hit, stick)
     labels = torch.tensor([best[s] for s in states])
     predicted = probe(hidden, labels)
     return dict(bench="blackjack_gradients", model=folder,
@@ -94,7 +108,7 @@ def measure(folder: str) -> dict:
                 probe_exact_return=round(evaluate_table(dict(zip(states, predicted.tolist()))), 4),
                 optimal_exact_return=round(evaluate_table(best), 4),
                 shared_share=round(shared_share(model, tokenizer, hit, stick), 4),
-                hit_probability=hit_probability_by_sum({s: float(d.sigmoid()) for s, (_, d) in zip(states, read)}))
+                hit_probability=hit_probability_by_sum({s: float(d.sigmoid()) for s, d in zip(states, logit)}))
 
 
 def main(argv: list[str] | None = None) -> dict:

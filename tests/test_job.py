@@ -97,7 +97,11 @@ def test_job_writes_metrics_and_a_final_policy(finished_run):
     assert summary["weight_transport"] == summary["weight_route"] == "shm" and summary["policy_versions"] == [4, 4]
     assert summary["final_weights"] == "moving average (trainer.ema_decay 0.9)"
     assert summary["sync_greedy_agreement"] == 1.0  # and policy-0 was checked against it
-    assert all(0 < r["weight_publish_s"] + r["weight_load_s"] <= r["weight_sync_s"] for r in rows)
+    # The trainer's publish and each engine's fetch and load lie inside the driver's sync. They may
+    # overlap: the trainer frees the versions beyond weights.keep_versions after publishing, while
+    # the engines already fetch and load the new one.
+    assert all(0 < r["weight_publish_s"] <= r["weight_sync_s"] for r in rows)
+    assert all(0 < r["weight_fetch_s"] + r["weight_load_s"] <= r["weight_sync_s"] for r in rows)
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         assert (run_dir / "final_policy" / name).is_file(), name
     assert set(summary) >= {"exact_return", "mc_return", "agreement"}
