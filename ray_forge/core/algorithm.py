@@ -211,23 +211,31 @@ def sft_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.
     return (nll_BT * mask_BT).sum() / normalizer
 
 
-def token_logprobs_and_entropy(
-    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, allowed_ids: torch.Tensor | None = None,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each target token and the entropy of the distribution it came from.
-
-    The distribution is the one the engine sampled from: logits divided by the sampling
-    ``temperature`` and, with ``allowed_ids``, renormalised over those tokens only (targets
-    outside get -inf). Anything else would make the importance ratio wrong.
-    """
+def sampling_logprobs(logits_BTV: torch.Tensor, allowed_ids: torch.Tensor | None = None,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """The log-distribution the engine sampled from: logits divided by the sampling ``temperature``
+    and, with ``allowed_ids``, renormalised over those tokens only (the others get -inf). Anything
+    else would make the importance ratio wrong."""
     logits_BTV = logits_BTV.float() / (temperature if temperature > 0 else 1.0)
     if allowed_ids is not None:
         restricted_BTV = torch.full_like(logits_BTV, float("-inf"))
         restricted_BTV[..., allowed_ids] = logits_BTV[..., allowed_ids]
         logits_BTV = restricted_BTV
-    logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
+    return torch.log_softmax(logits_BTV, dim=-1)
+
+
+def target_logprobs_and_entropy(logp_BTV: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each target's log-probability under ``logp_BTV`` and that distribution's entropy."""
     token_logprobs_BT = logp_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
     probs_BTV = logp_BTV.exp()
     entropy_BT = -(probs_BTV * torch.where(probs_BTV > 0, logp_BTV, torch.zeros_like(logp_BTV))).sum(-1)
     return token_logprobs_BT, entropy_BT
+
+
+def token_logprobs_and_entropy(
+    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, allowed_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token and the entropy of the distribution it came from, the
+    one the engine sampled from (``sampling_logprobs``)."""
+    return target_logprobs_and_entropy(sampling_logprobs(logits_BTV, allowed_ids, temperature), targets_BT)

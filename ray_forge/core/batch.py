@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch
 
-from ray_forge.core.algorithm import Baseline, RewardScale, group_advantages, keyed_advantages, token_logprobs_and_entropy
+from ray_forge.core.algorithm import (Baseline, RewardScale, group_advantages, keyed_advantages, sampling_logprobs,
+                                     target_logprobs_and_entropy)
 from ray_forge.core.episode import Episode, Sample, episodes_to_samples, merge_identical
 from ray_forge.core.play import episode_metrics
 
@@ -86,7 +87,8 @@ def sampled_logprobs(forward: HeadForward, inputs_BT: torch.Tensor, targets_BT: 
     slot_DT = need_DT.flatten().cumsum(0).view_as(need_DT) - 1  # each needed position's row in the head's output
     logits_MV = forward(distinct_DT, need_DT)[slot_DT[inverse_B][read_BT]]
     targets_M = targets_BT[read_BT]
-    logprobs_M, entropy_M = token_logprobs_and_entropy(logits_MV, targets_M, allowed_ids, temperature)
+    logp_MV = sampling_logprobs(logits_MV, allowed_ids, temperature)
+    logprobs_M, entropy_M = target_logprobs_and_entropy(logp_MV, targets_M)
     where = read_BT.nonzero(as_tuple=True)
     zeros_BT = logprobs_M.new_zeros(read_BT.shape)
     out = zeros_BT.index_put(where, logprobs_M), zeros_BT.index_put(where, entropy_M)
@@ -94,9 +96,7 @@ def sampled_logprobs(forward: HeadForward, inputs_BT: torch.Tensor, targets_BT: 
         return out
     if allowed_ids is None:
         raise ValueError("with_actions needs allowed_ids: the action words' tokens")
-    scale = temperature if temperature > 0 else 1.0
-    action_logprobs_MA = torch.log_softmax(logits_MV[:, allowed_ids].float() / scale, dim=-1)
-    return *out, (action_logprobs_MA, (targets_M[:, None] == allowed_ids[None, :]).to(action_logprobs_MA.dtype))
+    return *out, (logp_MV[:, allowed_ids], (targets_M[:, None] == allowed_ids[None, :]).to(logp_MV.dtype))
 
 
 def inputs_together(samples: list[Sample]) -> list[Sample]:
