@@ -11,7 +11,7 @@ asks it (chat template, the words hit and stick), this reads with plain transfor
   a policy-gradient step moves every state's answer the same way, whatever the advantages say.
 - ``hit_probability``: the zero-shot probability of hitting by hard sum (the mean over dealers).
 
-    python -m bench.blackjack_gradients [--model models/smollm2-135m]
+    python -m bench.blackjack_gradients [--model models/smollm2-135m] [--numbers words]
 
 Last line: a JSON object with the three.
 """
@@ -24,10 +24,9 @@ import json
 import torch
 
 from bench.read_policy import CHUNK, action_ids, hit_probability_by_sum, prompt_ids
-from envs.blackjack import State
+from envs.blackjack import State, Wording
 from envs.blackjack.exact import all_states, evaluate_table, optimal_table
 
-WORDS = ("hit", "stick")
 POLICY = {"chat_prompts": True}
 GRADIENT_STATES = [State(total, dealer, False) for total in (5, 8, 11, 14, 17, 20) for dealer in (3, 7)]
 
@@ -77,44 +76,47 @@ def probe(features: torch.Tensor, labels: torch.Tensor, folds: int = 5) -> torch
     return predictions
 
 
-def shared_share(model, tokenizer, hit: list[int], stick: list[int]) -> float:
+def shared_share(model, tokenizer, wording: Wording, hit: list[int], stick: list[int]) -> float:
     """Share of the states' gradients' squared norm that their mean carries: n |mean|^2 / sum |g|^2
     (one running sum, not n gradients of 135M weights kept at once)."""
     total, squares = None, 0.0
     for state in GRADIENT_STATES:
         model.zero_grad()
-        answer_logit(model, prompt_ids(tokenizer, state, POLICY, WORDS), hit, stick)[1].backward()
+        answer_logit(model, prompt_ids(tokenizer, state, POLICY, wording), hit, stick)[1].backward()
         grad = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
         total = grad if total is None else total.add_(grad)
         squares += float(grad.square().sum())
     return float(total.square().sum()) / len(GRADIENT_STATES) / squares
 
 
-def measure(folder: str) -> dict:
+def measure(folder: str, numbers: str = "digits") -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    choices = action_ids(tokenizer, WORDS)
+    wording = Wording(("hit", "stick"), numbers)
+    choices = action_ids(tokenizer, wording.words)
     hit = [token for token, action in choices.items() if action == 1]
     stick = [token for token, action in choices.items() if action == 0]
     states, best = all_states(), optimal_table()
     with torch.no_grad():
-        hidden, logit = answer_logits(model, [prompt_ids(tokenizer, s, POLICY, WORDS) for s in states], hit, stick)
+        hidden, logit = answer_logits(model, [prompt_ids(tokenizer, s, POLICY, wording) for s in states], hit, stick)
     labels = torch.tensor([best[s] for s in states])
     predicted = probe(hidden, labels)
-    return dict(bench="blackjack_gradients", model=folder,
+    return dict(bench="blackjack_gradients", model=folder, numbers=numbers,
                 probe_accuracy=round(float((predicted == labels).float().mean()), 4),
                 probe_exact_return=round(evaluate_table(dict(zip(states, predicted.tolist()))), 4),
                 optimal_exact_return=round(evaluate_table(best), 4),
-                shared_share=round(shared_share(model, tokenizer, hit, stick), 4),
+                shared_share=round(shared_share(model, tokenizer, wording, hit, stick), 4),
                 hit_probability=hit_probability_by_sum({s: float(d.sigmoid()) for s, d in zip(states, logit)}))
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="models/smollm2-135m")
-    result = measure(parser.parse_args(argv).model)
+    parser.add_argument("--numbers", default="digits", choices=["digits", "words"], help="env.options.blackjack.numbers")
+    args = parser.parse_args(argv)
+    result = measure(args.model, args.numbers)
     print(json.dumps(result))
     return result
 

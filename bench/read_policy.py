@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from envs.blackjack import ACTION_WORDS, parse_action, render_state
+from envs.blackjack import ACTION_WORDS, Wording, parse_action, render_state
 from envs.blackjack.exact import all_states, evaluate_table
 
 CHUNK = 40
 
 
-def prompt_ids(tokenizer, state, policy: dict, words: tuple[str, str]) -> list[int]:
+def prompt_ids(tokenizer, state, policy: dict, wording: Wording) -> list[int]:
     """The ids the run's engine was given for ``state``."""
-    text = render_state(state, words)
+    text = render_state(state, wording)
     if not policy.get("chat_prompts"):
         return tokenizer.encode(text, add_special_tokens=False)
     system = policy.get("system_prompt")
@@ -54,14 +54,15 @@ def read(run_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    words = tuple(config["env"].get("options", {}).get("blackjack", {}).get("words", ACTION_WORDS))
+    options = config["env"].get("options", {}).get("blackjack", {})
+    wording = Wording(tuple(options.get("words", ACTION_WORDS)), options.get("numbers", "digits"))
     folder = run_dir / "final_policy"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    choices = action_ids(tokenizer, words)
+    choices = action_ids(tokenizer, wording.words)
     allowed = torch.tensor(sorted(choices))
     states = all_states()
-    prompts = [prompt_ids(tokenizer, state, config["policy"], words) for state in states]
+    prompts = [prompt_ids(tokenizer, state, config["policy"], wording) for state in states]
     table, hit_prob = {}, {}
     with torch.no_grad():
         for first in range(0, len(states), CHUNK):

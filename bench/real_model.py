@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, as jobs/grpo.py takes them")
     args = parser.parse_args(argv)
-    from envs.blackjack import BlackjackTextEnv
+    from envs.blackjack import SPEC
     from ray_forge.config import load_config
     from ray_forge.config.schema import JobConfig
     from ray_forge.core.chat import text_prompt_ids
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     config = load_config(JobConfig, CONFIG, args.overrides)
     model_dir = str(convert(smollm2_gguf(), ROOT / config.model.path))
-    env = BlackjackTextEnv(words=tuple(config.env.options["blackjack"]["words"]))
+    env = SPEC.setup(config.env.options["blackjack"]).make_env(config.env.invalid_action_penalty)()
     prompts = [env.reset(seed) for seed in range(args.decisions)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     encode = text_prompt_ids(tokenizer, config.policy.chat_prompts, config.policy.system_prompt)  # as the engine does

@@ -26,11 +26,34 @@ def test_the_action_words_are_an_option_every_prompt_and_the_evaluation_offer():
     assert env.action_words == ("hit", "stick")
     assert env.reset(3).endswith(". hit or stick?") and all(p.endswith("hit or stick?") for p in SPEC.probe_prompts(options))
     asked = []
-    result = evaluate(lambda prompts: asked.extend(prompts) or ["stick"] * len(prompts), words=options.words)
+    result = evaluate(lambda prompts: asked.extend(prompts) or ["stick"] * len(prompts), wording=options.wording)
     assert len(asked) == 360 and all(p.endswith(". hit or stick?") for p in asked) and result["hit_states"] == 0
     for words in [("stick", "hit"), ("HIT",), ("go", "stop")]:
         with pytest.raises(ValueError, match="a way to say hit and then one to say stick"):
             BlackjackOptions(words=words)
+
+
+def test_numbers_as_words_is_an_option_the_env_its_evaluation_and_its_probes_share():
+    """``env.options.blackjack.numbers: words``: "fourteen" where digits write "14" (SmolLM2 reads
+    10-19 as the token 1 and another), in the prompts the env deals, the evaluation asks and the
+    probes send; the 360 states stay 360 distinct prompts."""
+    from envs.blackjack import SPEC, BlackjackOptions
+    from envs.blackjack.exact import all_states
+    from envs.blackjack.policy_eval import evaluate
+
+    options = BlackjackOptions(words=("hit", "stick"), numbers="words")
+    assert render_state(State(14, 10, False), options.wording) == "Your sum is fourteen, hard. Dealer shows ten. hit or stick?"
+    assert render_state(State(21, 1, True), options.wording) == "Your sum is twenty-one, soft. Dealer shows A. hit or stick?"
+    env = SPEC.factory(options, -1.0)()
+    first = env.reset(3)
+    assert first == render_state(env.state, options.wording) and not any(c.isdigit() for c in first)
+    asked = []
+    evaluate(lambda prompts: asked.extend(prompts) or ["stick"] * len(prompts), wording=options.wording)
+    assert asked == SPEC.probe_prompts(options) == [render_state(s, options.wording) for s in all_states()]
+    assert len(set(asked)) == 360 and not any(c.isdigit() for p in asked for c in p)
+    assert set(asked) <= set(SPEC.corpus(options))
+    with pytest.raises(ValueError, match="numbers = 'roman': it must be one of"):
+        BlackjackOptions(numbers="roman")
 
 
 @pytest.mark.parametrize("text, action", [

@@ -1,6 +1,6 @@
 """BlackJack (the rules of gymnasium Blackjack-v1, sab=False, natural=False; its own dealing) as a multi-turn text env."""
 
-from envs.blackjack.env import ACTION_WORDS, DEFAULT_PENALTY, BlackjackTextEnv, State, parse_action, render_state
+from envs.blackjack.env import ACTION_WORDS, DEFAULT_PENALTY, BlackjackTextEnv, State, Wording, parse_action, render_state
 from envs.blackjack.exact import DecisionTable, evaluate_table, optimal_table
 from envs.blackjack.policy_eval import decision_table, evaluate, monte_carlo_return
 from envs.blackjack.spec import SPEC, BlackjackOptions
@@ -13,6 +13,7 @@ __all__ = [
     "BlackjackTextEnv",
     "DecisionTable",
     "State",
+    "Wording",
     "decision_table",
     "evaluate",
     "evaluate_table",

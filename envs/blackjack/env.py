@@ -8,6 +8,7 @@ as 11 (soft), and the dealer's face-up card.
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from envs.blackjack.cards import CARDS_DEALT, deal
@@ -52,13 +53,6 @@ class _Hand:
         return self.cards_sum + 10 if self.usable_ace else self.cards_sum
 
 
-def render_state(state: State, words: tuple[str, str] = ACTION_WORDS) -> str:
-    """The prompt of ``state``, offering the action ``words`` (hit's, then stick's)."""
-    dealer = "A" if state.dealer_card == 1 else str(state.dealer_card)
-    hand = "soft" if state.usable_ace else "hard"
-    return f"Your sum is {state.player_sum}, {hand}. Dealer shows {dealer}. {words[0]} or {words[1]}?"
-
-
 def check_words(words: tuple[str, str]) -> None:
     """Action words ``parse_action`` reads as hit and as stick, in that order."""
     if len(words) != 2 or parse_action(words[0]) != 1 or parse_action(words[1]) != 0:
@@ -83,6 +77,39 @@ def parse_action(text: str) -> int | None:
     return actions[0]
 
 
+NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+                "sixteen seventeen eighteen nineteen twenty twenty-one").split()
+NUMBERS = ("digits", "words")
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How a prompt says a state: the action words it offers (hit's, then stick's) and whether the
+    sums and cards are written as digits ("14") or as words ("fourteen")."""
+
+    words: tuple[str, str] = ACTION_WORDS
+    numbers: str = "digits"
+
+    def __post_init__(self) -> None:
+        check_words(self.words)
+        if self.numbers not in NUMBERS:
+            raise ValueError(f"numbers = {self.numbers!r}: it must be one of {list(NUMBERS)}")
+
+    def number(self, n: int) -> str:
+        return NUMBER_WORDS[n] if self.numbers == "words" else str(n)
+
+
+DEFAULT_WORDING = Wording()
+
+
+def render_state(state: State, wording: Wording = DEFAULT_WORDING) -> str:
+    """The prompt of ``state`` as ``wording`` says it."""
+    dealer = "A" if state.dealer_card == 1 else wording.number(state.dealer_card)
+    hand = "soft" if state.usable_ace else "hard"
+    hit, stick = wording.words
+    return f"Your sum is {wording.number(state.player_sum)}, {hand}. Dealer shows {dealer}. {hit} or {stick}?"
+
+
 def outcome_text(reward: float) -> str:
     return "You win." if reward > 0 else "You lose." if reward < 0 else "Push."
 
@@ -92,10 +119,10 @@ class BlackjackTextEnv(TextEnv):
     ``envs.blackjack.cards``: the same rules and card odds, so the same exact values, without a
     NumPy call per card. ``reset_all`` deals a whole batch of games in one call."""
 
-    def __init__(self, invalid_action_penalty: float = DEFAULT_PENALTY, words: tuple[str, str] = ACTION_WORDS) -> None:
-        check_words(words)
+    def __init__(self, invalid_action_penalty: float = DEFAULT_PENALTY, wording: Wording = DEFAULT_WORDING) -> None:
         self._penalty = invalid_action_penalty
-        self.action_words = tuple(words)
+        self.wording = wording
+        self.action_words = tuple(wording.words)
         self.state: State | None = None
         self._seed, self._cards, self._next = 0, [], 0
         self._player = self._dealer = _Hand(0)  # dealt by reset
@@ -114,7 +141,7 @@ class BlackjackTextEnv(TextEnv):
         self._seed, self._cards, self._next = seed, cards, 0
         self._player, self._dealer = _Hand(self._draw(), self._draw()), _Hand(self._draw(), self._draw())
         self.state = self._observe()
-        return render_state(self.state, self.action_words)
+        return render_state(self.state, self.wording)
 
     def _draw(self) -> int:
         if self._next == len(self._cards):  # a long game: the next cards of the same stream
@@ -134,7 +161,7 @@ class BlackjackTextEnv(TextEnv):
             self._player.add(self._draw())
             if self._player.total <= 21:
                 self.state = self._observe()
-                return StepResult(render_state(self.state, self.action_words), 0.0, False, {"action": action})
+                return StepResult(render_state(self.state, self.wording), 0.0, False, {"action": action})
             reward = -1.0
         else:
             while self._dealer.total < 17:
@@ -145,8 +172,8 @@ class BlackjackTextEnv(TextEnv):
         return StepResult(outcome_text(reward), reward, True, {"action": action})
 
     @staticmethod
-    def corpus(words: tuple[str, str] = ACTION_WORDS) -> list[str]:
+    def corpus(wording: Wording = DEFAULT_WORDING) -> list[str]:
         """Every text the env can show or accept, to build a tokenizer for a model made from scratch."""
-        texts = [render_state(State(p, d, a), words) for p in range(4, 22) for d in range(1, 11) for a in (False, True)]
-        texts += [outcome_text(r) for r in (-1.0, 0.0, 1.0)] + list(words)
+        texts = [render_state(State(p, d, a), wording) for p in range(4, 22) for d in range(1, 11) for a in (False, True)]
+        texts += [outcome_text(r) for r in (-1.0, 0.0, 1.0)] + list(wording.words)
         return texts

@@ -12,7 +12,7 @@ from typing import Callable, Collection
 
 import numpy as np
 
-from envs.blackjack.env import ACTION_WORDS, DEFAULT_PENALTY, BlackjackTextEnv, State, parse_action, render_state
+from envs.blackjack.env import DEFAULT_PENALTY, DEFAULT_WORDING, BlackjackTextEnv, State, Wording, parse_action, render_state
 from envs.blackjack.exact import DecisionTable, agreement, all_states, evaluate_table, optimal_table
 
 Decide = Callable[[list[str]], list[str]]
@@ -21,12 +21,12 @@ UNPARSEABLE = ""
 """An answer ``parse_action`` rejects, played where the table's answer was invalid."""
 
 
-def decision_table(decide: Decide, words: tuple[str, str] = ACTION_WORDS) -> tuple[dict[State, float], frozenset[State]]:
-    """The policy's action in every state (1.0 HIT, 0.0 STICK), asked with the prompts that offer
-    ``words``, and the states whose answer was unparseable (their entry is 0.0, so plots that read
+def decision_table(decide: Decide, wording: Wording = DEFAULT_WORDING) -> tuple[dict[State, float], frozenset[State]]:
+    """The policy's action in every state (1.0 HIT, 0.0 STICK), asked with the prompts ``wording``
+    writes, and the states whose answer was unparseable (their entry is 0.0, so plots that read
     0/1 still work)."""
     states = all_states()
-    texts = decide([render_state(s, words) for s in states])
+    texts = decide([render_state(s, wording) for s in states])
     table, invalid = {}, set()
     for state, text in zip(states, texts, strict=True):
         action = parse_action(text)
@@ -65,14 +65,14 @@ def state_key(state) -> str:
 
 
 def evaluate(decide: Decide, mc_games: int = 0, invalid_action_penalty: float = DEFAULT_PENALTY,
-             words: tuple[str, str] = ACTION_WORDS) -> dict:
+             wording: Wording = DEFAULT_WORDING) -> dict:
     """exact_return, agreement, invalid answers (count, share of the 360 states, which, and the
     penalty they were valued at), the decision table (``decisions``: 1 = HIT, 0 = STICK or
     invalid), optionally mc_return.
 
     ``invalid_action_penalty`` must be the run's ``env.invalid_action_penalty``: it is what an
     unparseable answer earns in training, so it is what it is worth here."""
-    table, invalid = decision_table(decide, words)
+    table, invalid = decision_table(decide, wording)
     result = dict(exact_return=evaluate_table(table, invalid, invalid_action_penalty),
                   agreement=agreement(table, optimal_table(), invalid),
                   invalid_answers=len(invalid), invalid_rate=len(invalid) / len(table),
