@@ -24,19 +24,15 @@ import yaml
 
 from envs.blackjack import ACTION_WORDS, Wording, parse_action, render_state
 from envs.blackjack.exact import all_states, evaluate_table
+from ray_forge.core.chat import text_prompt_ids
 
 CHUNK = 40
 
 
 def prompt_ids(tokenizer, state, policy: dict, wording: Wording) -> list[int]:
-    """The ids the run's engine was given for ``state``."""
-    text = render_state(state, wording)
-    if not policy.get("chat_prompts"):
-        return tokenizer.encode(text, add_special_tokens=False)
-    system = policy.get("system_prompt")
-    messages = ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": text}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    """The ids the run's engine was given for ``state`` (its ``policy`` section's chat settings)."""
+    encode = text_prompt_ids(tokenizer, bool(policy.get("chat_prompts")), policy.get("system_prompt"))
+    return list(encode(render_state(state, wording)))
 
 
 def action_ids(tokenizer, words: tuple[str, str]) -> dict[int, int]:
