@@ -1,7 +1,8 @@
 """Why a pretrained model's BlackJack table flips as a block: its states' gradients are one.
 
 For a model folder (default: the converted SmolLM2), asked as ``jobs/configs/blackjack_smollm2.yaml``
-asks it (chat template, the words hit and stick), this reads with plain transformers:
+asks it (its chat and system-turn settings, its action words and its numbers, digits or words,
+unless ``--numbers`` says otherwise), this reads with plain transformers:
 
 - ``probe_accuracy``: a logistic regression on the final hidden state at the answer position,
   fitted to the optimal table's action with 5-fold cross-validation, and the exact return of the
@@ -20,14 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
+import yaml
 
-from bench.read_policy import CHUNK, action_ids, hit_probability_by_sum, prompt_ids
+from bench.read_policy import CHUNK, action_ids, hit_probability_by_sum, prompt_ids, wording_of
 from envs.blackjack import State, Wording
 from envs.blackjack.exact import all_states, evaluate_table, optimal_table
 
-POLICY = {"chat_prompts": True}
+CONFIG = Path(__file__).resolve().parent.parent / "jobs" / "configs" / "blackjack_smollm2.yaml"
 GRADIENT_STATES = [State(total, dealer, False) for total in (5, 8, 11, 14, 17, 20) for dealer in (3, 7)]
 
 
@@ -76,45 +79,46 @@ def probe(features: torch.Tensor, labels: torch.Tensor, folds: int = 5) -> torch
     return predictions
 
 
-def shared_share(model, tokenizer, wording: Wording, hit: list[int], stick: list[int]) -> float:
+def shared_share(model, tokenizer, policy: dict, wording: Wording, hit: list[int], stick: list[int]) -> float:
     """Share of the states' gradients' squared norm that their mean carries: n |mean|^2 / sum |g|^2
     (one running sum, not n gradients of 135M weights kept at once)."""
     total, squares = None, 0.0
     for state in GRADIENT_STATES:
         model.zero_grad()
-        answer_logit(model, prompt_ids(tokenizer, state, POLICY, wording), hit, stick)[1].backward()
+        answer_logit(model, prompt_ids(tokenizer, state, policy, wording), hit, stick)[1].backward()
         grad = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
         total = grad if total is None else total.add_(grad)
         squares += float(grad.square().sum())
     return float(total.square().sum()) / len(GRADIENT_STATES) / squares
 
 
-def measure(folder: str, numbers: str = "digits") -> dict:
+def measure(folder: str, numbers: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    wording = Wording(("hit", "stick"), numbers)
+    config = yaml.safe_load(CONFIG.read_text())
+    policy, wording = config["policy"], wording_of(config, numbers)
     choices = action_ids(tokenizer, wording.words)
     hit = [token for token, action in choices.items() if action == 1]
     stick = [token for token, action in choices.items() if action == 0]
     states, best = all_states(), optimal_table()
     with torch.no_grad():
-        hidden, logit = answer_logits(model, [prompt_ids(tokenizer, s, POLICY, wording) for s in states], hit, stick)
+        hidden, logit = answer_logits(model, [prompt_ids(tokenizer, s, policy, wording) for s in states], hit, stick)
     labels = torch.tensor([best[s] for s in states])
     predicted = probe(hidden, labels)
-    return dict(bench="blackjack_gradients", model=folder, numbers=numbers,
+    return dict(bench="blackjack_gradients", model=folder, numbers=wording.numbers,
                 probe_accuracy=round(float((predicted == labels).float().mean()), 4),
                 probe_exact_return=round(evaluate_table(dict(zip(states, predicted.tolist()))), 4),
                 optimal_exact_return=round(evaluate_table(best), 4),
-                shared_share=round(shared_share(model, tokenizer, wording, hit, stick), 4),
+                shared_share=round(shared_share(model, tokenizer, policy, wording, hit, stick), 4),
                 hit_probability=hit_probability_by_sum({s: float(d.sigmoid()) for s, d in zip(states, logit)}))
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="models/smollm2-135m")
-    parser.add_argument("--numbers", default="digits", choices=["digits", "words"], help="env.options.blackjack.numbers")
+    parser.add_argument("--numbers", choices=["digits", "words"], help="env.options.blackjack.numbers (default: the config's)")
     args = parser.parse_args(argv)
     result = measure(args.model, args.numbers)
     print(json.dumps(result))

@@ -35,6 +35,12 @@ def prompt_ids(tokenizer, state, policy: dict, wording: Wording) -> list[int]:
     return list(encode(render_state(state, wording)))
 
 
+def wording_of(config: dict, numbers: str | None = None) -> Wording:
+    """How a job config's BlackJack prompts are worded (``numbers`` in place of the config's)."""
+    options = config["env"].get("options", {}).get("blackjack", {})
+    return Wording(tuple(options.get("words", ACTION_WORDS)), numbers or options.get("numbers", "digits"))
+
+
 def action_ids(tokenizer, words: tuple[str, str]) -> dict[int, int]:
     """Each single-token spelling of the words (bare or after a space) -> its action (1 hit, 0 stick)."""
     ids = {}
@@ -50,8 +56,7 @@ def read(run_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    options = config["env"].get("options", {}).get("blackjack", {})
-    wording = Wording(tuple(options.get("words", ACTION_WORDS)), options.get("numbers", "digits"))
+    wording = wording_of(config)
     folder = run_dir / "final_policy"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
