@@ -298,34 +298,42 @@ def test_inputs_together_puts_rows_of_one_input_side_by_side_and_keeps_each_row(
     assert runs == len(set(inputs)) == 3
 
 
-def test_center_actions_leaves_each_decision_its_logit_gradient_minus_the_batch_mean():
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_center_actions_leaves_each_decision_its_logit_gradient_minus_the_batch_mean(aggregation):
     """With ``actions``, grpo_loss's gradient on each decision's action logits is the plain one
-    minus the decisions' mean (so it sums to zero over them: no step moves every state's answer
-    the same way); the step's statistics are the same."""
+    minus the decisions' mean policy-term gradient (so the policy term's sums to zero over them: no
+    step moves every state's answer the same way). The entropy bonus is left whole: centred, it
+    would pull a table's minority answers toward the majority's instead of keeping each state
+    unsure. The step's statistics are the same."""
     from ray_forge.core.batch import sampled_logprobs
 
     torch.manual_seed(0)
     allowed = torch.tensor([1, 3])
-    logits = torch.randn(4, 1, 5, requires_grad=True)  # four one-token decisions (rows already distinct)
-    targets = torch.tensor([[1], [3], [1], [1]])
-    mask = torch.ones(4, 1)
+    logits = torch.randn(4, 2, 5, requires_grad=True)  # four rows of up to two decisions (rows already distinct)
+    inputs = torch.arange(8).view(4, 2)
+    targets = torch.tensor([[1, 3], [3, 1], [1, 1], [1, 3]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
     advantages = torch.tensor([0.5, -1.0, 2.0, -0.3])
 
-    def logit_grads(center: bool):
-        logprobs, entropy, actions = sampled_logprobs(lambda inputs, rows: logits[rows], torch.arange(4)[:, None],
+    def logit_grads(center: bool, entropy_coef: float):
+        logprobs, entropy, actions = sampled_logprobs(lambda inputs, rows: logits[rows], inputs,
                                                       targets, mask, allowed, 1.0, with_actions=True)
-        terms = grpo_loss(logprobs, logprobs.detach(), advantages, mask, clip_eps=0.2,
-                          actions=actions if center else None)
+        terms = grpo_loss(logprobs, logprobs.detach(), advantages, mask, clip_eps=0.2, aggregation=aggregation,
+                          entropy_BT=entropy, entropy_coef=entropy_coef, actions=actions if center else None)
         logits.grad = None
         terms.loss.backward()
-        return terms, logits.grad[:, 0, allowed].clone()
+        return terms, logits.grad[mask > 0][:, allowed].clone()
 
-    plain_terms, plain = logit_grads(False)
-    centred_terms, centred = logit_grads(True)
+    plain_terms, plain = logit_grads(False, 0.0)
+    centred_terms, centred = logit_grads(True, 0.0)
     assert plain.sum(0).abs().max() > 1e-3  # the plain gradient has a shared part to remove
     torch.testing.assert_close(centred, plain - plain.mean(0))
     torch.testing.assert_close(centred.sum(0), torch.zeros(2), atol=1e-7, rtol=0)
     for name in ("clip_fraction", "entropy", "ratio_mean"):
         assert getattr(centred_terms, name) == getattr(plain_terms, name)
+    _, with_entropy = logit_grads(False, 0.3)
+    _, centred_with_entropy = logit_grads(True, 0.3)
+    assert (with_entropy - plain).sum(0).abs().max() > 1e-3  # the bonus has a shared part, and keeps it
+    torch.testing.assert_close(centred_with_entropy, with_entropy - plain.mean(0))
     with pytest.raises(ValueError, match="with_actions needs allowed_ids"):
-        sampled_logprobs(lambda inputs, rows: logits[rows], torch.arange(4)[:, None], targets, mask, with_actions=True)
+        sampled_logprobs(lambda inputs, rows: logits[rows], inputs, targets, mask, with_actions=True)

@@ -137,7 +137,8 @@ def grpo_loss(
 
     With ``actions`` (each read token's logprobs over the action words and a one-hot of the word
     sampled, in ``mask_BT``'s row-major order): the policy term's gradient is centred across the
-    tokens (``shared_direction_term``).
+    tokens (``shared_direction_term``). The entropy bonus is not: centred, it would pull a table's
+    minority answers toward the majority's rather than keep each state unsure.
     """
     mask_BT = mask_BT.to(logprobs_BT.dtype)
     if weights_B is None:
