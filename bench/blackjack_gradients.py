@@ -83,9 +83,9 @@ def shared_share(model, tokenizer, policy: dict, wording: Wording, hit: list[int
     """Share of the states' gradients' squared norm that their mean carries: n |mean|^2 / sum |g|^2
     (one running sum, not n gradients of 135M weights kept at once)."""
     total, squares = None, 0.0
-    for state in GRADIENT_STATES:
+    for ids in prompt_ids(tokenizer, GRADIENT_STATES, policy, wording):
         model.zero_grad()
-        answer_logit(model, prompt_ids(tokenizer, state, policy, wording), hit, stick)[1].backward()
+        answer_logit(model, ids, hit, stick)[1].backward()
         grad = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
         total = grad if total is None else total.add_(grad)
         squares += float(grad.square().sum())
@@ -104,7 +104,7 @@ def measure(folder: str, numbers: str | None = None) -> dict:
     stick = [token for token, action in choices.items() if action == 0]
     states, best = all_states(), optimal_table()
     with torch.no_grad():
-        hidden, logit = answer_logits(model, [prompt_ids(tokenizer, s, policy, wording) for s in states], hit, stick)
+        hidden, logit = answer_logits(model, prompt_ids(tokenizer, states, policy, wording), hit, stick)
     labels = torch.tensor([best[s] for s in states])
     predicted = probe(hidden, labels)
     return dict(bench="blackjack_gradients", model=folder, numbers=wording.numbers,

@@ -29,10 +29,10 @@ from ray_forge.core.chat import text_prompt_ids
 CHUNK = 40
 
 
-def prompt_ids(tokenizer, state, policy: dict, wording: Wording) -> list[int]:
-    """The ids the run's engine was given for ``state`` (its ``policy`` section's chat settings)."""
+def prompt_ids(tokenizer, states, policy: dict, wording: Wording) -> list[list[int]]:
+    """The ids the run's engine was given for each of ``states`` (its ``policy`` section's chat settings)."""
     encode = text_prompt_ids(tokenizer, bool(policy.get("chat_prompts")), policy.get("system_prompt"))
-    return list(encode(render_state(state, wording)))
+    return [list(encode(render_state(state, wording))) for state in states]
 
 
 def wording_of(config: dict, numbers: str | None = None) -> Wording:
@@ -63,7 +63,7 @@ def read(run_dir: Path) -> dict:
     choices = action_ids(tokenizer, wording.words)
     allowed = torch.tensor(sorted(choices))
     states = all_states()
-    prompts = [prompt_ids(tokenizer, state, config["policy"], wording) for state in states]
+    prompts = prompt_ids(tokenizer, states, config["policy"], wording)
     table, hit_prob = {}, {}
     with torch.no_grad():
         for first in range(0, len(states), CHUNK):
