@@ -72,8 +72,9 @@ def generation(config, model_dir: str, prompts: list[str], repeats: int) -> dict
                 engine_vs_vllm_per_decision=alone / engine, engine_vs_vllm_distinct_only=forwards / engine)
 
 
-def training(config, model_dir: str, samples: list, repeats: int) -> dict:
-    """Tokens per second of a TorchTitan rank's step and of plain torch, on the same merged rows."""
+def training(config, model_dir: str, samples: list, repeats: int, allowed: list[int] | None) -> dict:
+    """Tokens per second of a TorchTitan rank's step and of plain torch, on the same merged rows,
+    both restricted to the ``allowed`` answer tokens (and centred, as the config says) as a run is."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -85,23 +86,25 @@ def training(config, model_dir: str, samples: list, repeats: int) -> dict:
     rows = merge_identical(samples)
     tokens = sum(len(s.token_ids) for s in rows)
     rank = TitanTrainer(config.trainer, grpo=config.grpo, model_dir=model_dir, total_steps=repeats + 2, rank=0,
-                        allowed_token_ids=None, temperature=config.policy.temperature)
+                        allowed_token_ids=allowed, temperature=config.policy.temperature)
     rank.setup(*free_address())
     titan = median_s(lambda: rank.train_step(rows), repeats)
     threads = torch.get_num_threads()  # the rank set it from trainer.resources
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr)
     batch = collate(rows)
+    allowed_ids = torch.tensor(allowed) if allowed else None
+    centre = config.grpo.center_actions
 
     def forward_at(inputs_DT, rows_DT):
         return model.lm_head(model.model(inputs_DT).last_hidden_state[rows_DT])
 
     def plain_step() -> None:
-        logprobs, entropy = sampled_logprobs(forward_at, batch.inputs_BT, batch.targets_BT, batch.mask_BT,
-                                             temperature=config.policy.temperature)
+        logprobs, entropy, *actions = sampled_logprobs(forward_at, batch.inputs_BT, batch.targets_BT, batch.mask_BT,
+                                                       allowed_ids, config.policy.temperature, with_actions=centre)
         grpo_loss(logprobs, batch.behaviour_logprobs_BT, batch.advantages_B, batch.mask_BT,
                   clip_eps=config.grpo.clip_eps, weights_B=batch.weights_B, entropy_BT=entropy,
-                  entropy_coef=config.grpo.entropy_coef).loss.backward()
+                  entropy_coef=config.grpo.entropy_coef, actions=actions[0] if actions else None).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, as jobs/grpo.py takes them")
     args = parser.parse_args(argv)
     from envs.blackjack import SPEC
+    from ray_forge.actors.policy import action_token_ids
     from ray_forge.config import load_config
     from ray_forge.config.schema import JobConfig
     from ray_forge.core.chat import text_prompt_ids
@@ -137,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         ids = encode(prompt)
         samples.append(Sample.completion(ids, tuple(answers[i % 2]), behaviour_logprobs=(-0.7,) * len(answers[i % 2]),
                                          advantage=1.0 if i % 3 else -1.0, policy_version=0))
-    trained = training(config, model_dir, samples, args.repeats)
+    allowed = action_token_ids(tokenizer, env.action_words) if config.policy.constrain_to_actions else None
+    trained = training(config, model_dir, samples, args.repeats, allowed)
     result = dict(bench="real_model", model="SmolLM2-135M-Instruct", training=trained,
                   generation=generation(config, model_dir, prompts, args.repeats))
     print(json.dumps(result))

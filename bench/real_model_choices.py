@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
         results[name] = measure(CHOICES[name], args.decisions, args.repeats)
         print(f"{name}: engine {results[name]['generation']['engine_s']:.2f}s, "
               f"training {results[name]['training']['titan_s']:.2f}s", flush=True)
-    out = dict(bench="real_model_choices", decisions=args.decisions,
+    out = dict(bench="real_model_choices", decisions=args.decisions, shipped=results[SHIPPED],
                choices={name: dict(overrides=CHOICES[name], **ratios(results[name], results[SHIPPED]),
                                    engine_s=results[name]["generation"]["engine_s"],
                                    training_s=results[name]["training"]["titan_s"])
