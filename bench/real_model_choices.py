@@ -21,13 +21,11 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-from bench.real_model import CONFIG
+from bench.real_model import CONFIG, ROOT
 from ray_forge.config import load_config
 from ray_forge.config.schema import JobConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = "as shipped"
 CHOICES: dict[str, list[str]] = {
     SHIPPED: [],
