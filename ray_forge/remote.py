@@ -13,6 +13,13 @@ from ray_forge.identity import ActorId
 
 T = TypeVar("T")
 
+SMALL_CALL_S = 60.0
+"""Bound on a call that does no model work (who are you, stats, a node id, saving a step's games):
+minutes only when a node is lost or overloaded."""
+REPLY_SLACK_S = 60.0
+"""Added to a bound the callee enforces itself (a play limit, a weight fetch), so its own timeout,
+with its clearer error, fires first."""
+
 
 class Pickled(Generic[T]):
     """A value sent between actors as one ``bytes``, pickled by the standard C pickler. Ray pickles
