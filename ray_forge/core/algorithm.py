@@ -145,23 +145,12 @@ def grpo_loss(
         weights_B = torch.ones_like(advantages_B)
     if normalizer is None:
         normalizer = loss_normalizer(mask_BT, weights_B, aggregation)
-    old_BT = logprobs_BT.detach()
-    if tis_cap > 0:
-        ratio_BT = torch.exp(logprobs_BT - old_BT)
-        tis_BT = torch.exp(old_BT - behaviour_logprobs_BT).clamp(max=tis_cap)
-    else:
-        ratio_BT = torch.exp(logprobs_BT - behaviour_logprobs_BT)
-        tis_BT = torch.ones_like(logprobs_BT)
-    clipped_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    adv_B1 = advantages_B[:, None]
-    pg_BT = -torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1) * tis_BT
-    per_token_BT = pg_BT
+    ratio_BT, tis_BT = importance_ratios(logprobs_BT, behaviour_logprobs_BT, tis_cap)
+    unclipped_BT, clipped_BT = clip_sides(ratio_BT, advantages_B, clip_eps)
+    per_token_BT = -torch.minimum(unclipped_BT, clipped_BT) * tis_BT
     centring = torch.zeros((), dtype=logprobs_BT.dtype, device=logprobs_BT.device)
     if actions is not None:
-        with torch.no_grad():  # -d(pg)/d(logprob): what the policy term weighs each token's score by
-            coef_BT = torch.where(ratio_BT * adv_B1 <= clipped_BT * adv_B1, ratio_BT * adv_B1 * tis_BT, 0.0) * mask_BT
-            if aggregation == "seq-mean-token-mean":
-                coef_BT = coef_BT / mask_BT.sum(dim=1, keepdim=True).clamp(min=1)
+        coef_BT = policy_coefficients(unclipped_BT, clipped_BT, tis_BT, mask_BT, aggregation)
         centring = shared_direction_term(*actions, coef_BT[mask_BT > 0]) / normalizer
     w_B1 = weights_B[:, None]
     kl_BT = torch.zeros_like(logprobs_BT)
@@ -173,18 +162,52 @@ def grpo_loss(
         per_token_BT = per_token_BT - entropy_coef * w_B1 * ent_BT
     with torch.no_grad():
         # Tokens where clipping removed the gradient, i.e. the unclipped term was not the minimum.
-        is_clipped_BT = ((ratio_BT * adv_B1) > (clipped_BT * adv_B1)).to(mask_BT.dtype)
-        token_weight_BT = mask_BT * w_B1
-        num_tokens = token_weight_BT.sum().clamp(min=1)
-        stats = dict(
-            clip_fraction=(is_clipped_BT * token_weight_BT).sum() / num_tokens,
-            kl=(kl_BT * token_weight_BT).sum() / num_tokens,
-            entropy=(ent_BT * token_weight_BT).sum() / num_tokens,
-            ratio_mean=(ratio_BT * token_weight_BT).sum() / num_tokens,
-            logprob_diff=((old_BT - behaviour_logprobs_BT).abs() * token_weight_BT).sum() / num_tokens,
-            tis_weight=(tis_BT * token_weight_BT).sum() / num_tokens,
-        )
+        is_clipped_BT = (unclipped_BT > clipped_BT).to(mask_BT.dtype)
+        stats = token_means(mask_BT * w_B1, clip_fraction=is_clipped_BT, kl=kl_BT, entropy=ent_BT,
+                            ratio_mean=ratio_BT, logprob_diff=(logprobs_BT.detach() - behaviour_logprobs_BT).abs(),
+                            tis_weight=tis_BT)
     return LossTerms(loss=aggregate(per_token_BT, mask_BT, aggregation, normalizer) + centring, **stats)
+
+
+def importance_ratios(logprobs_BT: torch.Tensor, behaviour_logprobs_BT: torch.Tensor,
+                      tis_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratio_BT, tis_BT): the policy ratio the clip applies to and each token's truncated
+    importance weight. Without ``tis_cap``: pi_theta / pi_behaviour, and weight 1. With it: pi_theta
+    / pi_old (the trainer's own logprobs before this update, detached: 1 in value, the gradient of
+    log pi_theta), and min(pi_old / pi_behaviour, tis_cap)."""
+    old_BT = logprobs_BT.detach()
+    if tis_cap > 0:
+        ratio_BT = torch.exp(logprobs_BT - old_BT)
+        tis_BT = torch.exp(old_BT - behaviour_logprobs_BT).clamp(max=tis_cap)
+    else:
+        ratio_BT = torch.exp(logprobs_BT - behaviour_logprobs_BT)
+        tis_BT = torch.ones_like(logprobs_BT)
+    return ratio_BT, tis_BT
+
+
+def clip_sides(ratio_BT: torch.Tensor, advantages_B: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unclipped_BT, clipped_BT): ratio x advantage and the ratio clipped to 1 +- ``clip_eps`` x
+    advantage, the two terms of PPO's pessimistic minimum."""
+    clipped_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    adv_B1 = advantages_B[:, None]
+    return ratio_BT * adv_B1, clipped_BT * adv_B1
+
+
+def policy_coefficients(unclipped_BT: torch.Tensor, clipped_BT: torch.Tensor, tis_BT: torch.Tensor,
+                        mask_BT: torch.Tensor, aggregation: Aggregation) -> torch.Tensor:
+    """-d(pg)/d(logprob), detached: what the policy term weighs each token's score by (0 where the
+    clip took the gradient away), per token as ``aggregate`` sums it, before the normalizer."""
+    with torch.no_grad():
+        coef_BT = torch.where(unclipped_BT <= clipped_BT, unclipped_BT * tis_BT, 0.0) * mask_BT
+        if aggregation == "seq-mean-token-mean":
+            coef_BT = coef_BT / mask_BT.sum(dim=1, keepdim=True).clamp(min=1)
+    return coef_BT
+
+
+def token_means(token_weight_BT: torch.Tensor, **values_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each of ``values_BT``'s mean over the tokens, each token counted ``token_weight_BT`` times."""
+    num_tokens = token_weight_BT.sum().clamp(min=1)
+    return {name: (v_BT * token_weight_BT).sum() / num_tokens for name, v_BT in values_BT.items()}
 
 
 def shared_direction_term(action_logprobs_MA: torch.Tensor, chosen_MA: torch.Tensor, coef_M: torch.Tensor) -> torch.Tensor:
