@@ -58,7 +58,7 @@ def generation(config, model_dir: str, prompts: list[str], repeats: int) -> dict
         def engine_step() -> None:
             # A run asks for each distribution once per weight version; the engine keeps them for
             # the version's later calls. Each repeat stands for a new version.
-            policy._known.clear()
+            policy.draws._known.clear()
             policy.generate(prompts)
 
         engine = median_s(engine_step, repeats)

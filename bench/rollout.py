@@ -8,7 +8,7 @@ One run, the ``make demo`` model and policy settings, the same games:
   buffer), sent to an engine with the same settings through vLLM's offline ``LLM.generate``, in
   this process, the requests each policy call makes (identical prompts merged), no Ray. The
   policy actor also shares one prompt's request among the calls that ask for it at once (a
-  batch's chunks, the next batch: ``VLLMPolicy._shared``), which one call at a time cannot;
+  batch's chunks, the next batch: ``DistributionDraws.submit``), which one call at a time cannot;
 - ``raw_n_samples``: the same, but each distinct prompt's ``n`` answers sampled by vLLM's own
   sampler (what the policy did before it drew one-token answers from the distribution).
 Target: ``rollout`` at least 0.5x ``raw`` (issue 25; it was 0.18x before BlackJack dealt its cards

@@ -221,7 +221,7 @@ def test_calls_in_flight_at_once_share_one_request_per_prompt_and_keep_their_own
 
     states = _prompts(40)
     alone = [policy.generate(states * 8, seed=seed) for seed in (11, 12)]
-    policy._known.clear()  # else the distributions ``alone`` computed serve both calls with no request at all
+    policy.draws._known.clear()  # else the distributions ``alone`` computed serve both calls with no request at all
     unblock = threading.Event()
     policy.loop.run(lambda engine: unblock.wait(60))  # the step loop is busy: both calls' requests queue
     first_request = next(policy.loop._ids)

