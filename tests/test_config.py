@@ -72,11 +72,30 @@ def test_a_trainer_may_run_more_torch_threads_than_the_cpus_it_holds():
         ("policy.chat_prompts=true env.episode.mode=sequence", "policy.chat_prompts is for text prompts"),
         ("policy.system_prompt=hi", "policy.system_prompt needs policy.chat_prompts=true"),
         ("grpo.center_actions=true", "grpo.center_actions needs policy.constrain_to_actions=true"),
+        ("policy.draw_from_distribution=true", "policy.draw_from_distribution=true draws one-token answers, and "
+                                               "policy.max_tokens=1024 asks for longer ones"),
+        ("policy.draw_from_distribution=true policy.max_tokens=1", "policy.constrain_to_actions=false has none"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         load_config(JobConfig, None, override.split())
+
+
+def test_a_constraint_to_the_action_words_of_an_env_without_them_is_refused():
+    from ray_forge.core.actions import require_action_words
+
+    with pytest.raises(ConfigError, match="policy.constrain_to_actions=true needs an env with action words; env 'code'"):
+        require_action_words("code", None)
+    require_action_words("blackjack", ("hit", "stick"))
+
+
+def test_the_demo_s_draws_are_refused_once_its_answers_are_longer_or_unconstrained():
+    load_config(JobConfig, CONFIGS / "blackjack_tiny.yaml")
+    with pytest.raises(ConfigError, match="policy.max_tokens=2 asks for longer ones"):
+        load_config(JobConfig, CONFIGS / "blackjack_tiny.yaml", ["policy.max_tokens=2"])
+    with pytest.raises(ConfigError, match="policy.constrain_to_actions=false has none"):
+        load_config(JobConfig, CONFIGS / "blackjack_tiny.yaml", ["policy.constrain_to_actions=false"])
 
 
 def test_malformed_yaml_is_a_clear_error(tmp_path):

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from ray_forge.actors.engine_loop import EngineLoop, token_versions
+from ray_forge.config import ConfigError
 from ray_forge.core.episode import Answer
 
 TEXT_CACHE = 1 << 16
@@ -64,6 +65,10 @@ class DistributionDraws:
     by the calls that ask for the same prompt while it waits and kept until the weights change."""
 
     def __init__(self, loop: EngineLoop, allowed_ids: list[int], temperature: float, tokenizer) -> None:
+        if len(allowed_ids) > MAX_LOGPROBS:
+            raise ConfigError(f"policy.draw_from_distribution=true needs the engine's logprobs of every action token; "
+                              f"vLLM returns at most {MAX_LOGPROBS} and this env has {len(allowed_ids)}: set "
+                              "policy.draw_from_distribution=false")
         self.loop, self.allowed_ids, self.temperature, self.tokenizer = loop, allowed_ids, temperature, tokenizer
         # One-token answers come in few texts: decoded once each, not once per decision.
         self._answer_text = functools.lru_cache(maxsize=TEXT_CACHE)(self._decode_after)

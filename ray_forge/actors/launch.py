@@ -19,7 +19,7 @@ from ray_forge.actors.trainer_group import TrainerGroup
 from ray_forge.cluster.pools import Pools
 from ray_forge.config.schema import POOL_LABEL, GRPOConfig, JobConfig, TrainerConfig
 from ray_forge import identity
-from ray_forge.core.actions import multi_token_actions
+from ray_forge.core.actions import multi_token_actions, require_action_words
 from ray_forge.core.chat import TOOL_CALL_CLOSE, ChatFormat
 from ray_forge.core.env import EnvSetup
 from ray_forge.identity import ActorId, Role
@@ -121,6 +121,8 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
     handles += envs
     action_words = get(envs[0].get_action_words.remote(), timeout_s=config.env.call_timeout_s,
                        what="get_action_words", actor=identity.env(0))
+    if config.policy.constrain_to_actions:
+        require_action_words(config.env.name, action_words)
     policies = [_start(PolicyActor, slot.options(str(identity.policy(i))), config.policy, max_restarts=config.policy.max_restarts,
                        model_dir=model_dir, action_words=action_words, seed=config.run.seed + i, store_name=store_name)
                 for i, slot in enumerate(slots["policy"])]
@@ -128,7 +130,7 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
     started_by = time.monotonic() + config.policy.start_timeout_s  # one bound for all the engines' start
     allowed = get(policies[0].get_allowed_token_ids.remote(), timeout_s=config.policy.start_timeout_s,
                   what="get_allowed_token_ids (vLLM engine start, policy.start_timeout_s)", actor=identity.policy(0))
-    if action_words and config.policy.constrain_to_actions and allowed is None:
+    if config.policy.constrain_to_actions and allowed is None:
         raise multi_token_actions(action_words)
     ranks = start_trainer_ranks(config.trainer, slots["trainer"], model_dir, config.run.steps, grpo=config.grpo,
                                 allowed_token_ids=allowed, temperature=config.policy.temperature)

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import ray
 import torch
 
-from ray_forge.actors.draws import MAX_LOGPROBS, TEXT_CACHE, AnswerSource, DistributionDraws, EngineSamples
+from ray_forge.actors.draws import TEXT_CACHE, AnswerSource, DistributionDraws, EngineSamples
 from ray_forge.actors.engine_loop import EngineLoop
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import PolicyConfig
@@ -130,10 +130,10 @@ class VLLMPolicy:
 
     def _draws(self) -> DistributionDraws | None:
         """One-token answers drawn here from the engine's distribution (``policy.draw_from_distribution``),
-        where they can be: one-token answers restricted to single-token action words, whose
-        logprobs vLLM returns (at most ``MAX_LOGPROBS``); ignored elsewhere."""
-        if not (self.config.draw_from_distribution and self.config.max_tokens == 1 and self.allowed_ids
-                and len(self.allowed_ids) <= MAX_LOGPROBS):
+        where they apply: one-token answers restricted to single-token action words (more of them
+        than vLLM returns logprobs for are refused). A job's config and launch refuse the flag
+        elsewhere; an engine config built alone (a test, a free-text evaluation) samples instead."""
+        if not (self.config.draw_from_distribution and self.config.max_tokens == 1 and self.allowed_ids):
             return None
         return DistributionDraws(self.loop, self.allowed_ids, self.config.temperature, self.tokenizer)
 

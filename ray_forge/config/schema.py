@@ -74,6 +74,23 @@ def check_engine_transport(transport: str, tensor_parallel_size: int) -> None:
                           f"not {transport}: a tensor-parallel engine's workers run outside Ray")
 
 
+def check_draws(policy: PolicyConfig) -> None:
+    """``policy.draw_from_distribution`` draws one-token answers from the engine's distribution
+    over the action tokens: refused where a job could not use it, rather than sampled instead."""
+    from ray_forge.config.loader import ConfigError
+
+    if not policy.draw_from_distribution:
+        return
+    if policy.max_tokens != 1:
+        raise ConfigError(f"policy.draw_from_distribution=true draws one-token answers, and policy.max_tokens="
+                          f"{policy.max_tokens} asks for longer ones: set policy.max_tokens=1 or "
+                          "policy.draw_from_distribution=false")
+    if not policy.constrain_to_actions:
+        raise ConfigError("policy.draw_from_distribution=true draws from the engine's distribution over the action "
+                          "tokens, and policy.constrain_to_actions=false has none: set "
+                          "policy.constrain_to_actions=true or policy.draw_from_distribution=false")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Resources:
     """What one actor asks Ray for; applied with ``.options()`` where the actor is created."""
@@ -186,7 +203,7 @@ class PolicyConfig:
     distribution over those tokens and draw the prompt's ``n`` samples from it in the actor,
     instead of ``n`` sequences through vLLM's sampler. The same distribution and the engine's own
     logprobs, at one forward per distinct prompt. Greedy answers (evaluation, the sync check) are
-    that distribution's most likely token, from the same request. Ignored for longer completions."""
+    that distribution's most likely token, from the same request. A job refuses it otherwise."""
     chat_prompts: bool = False
     """An env's text prompts (``env.episode.mode: turns``) go to the engine as a user turn of the
     model's own chat template, then its generation prompt, as an instruct model is used to being
@@ -552,6 +569,7 @@ class JobConfig:
         if self.grpo.center_actions and not self.policy.constrain_to_actions:
             raise ConfigError("grpo.center_actions needs policy.constrain_to_actions=true: it centres the gradient "
                               "on the action words' logits, and an unconstrained answer has no such set")
+        check_draws(self.policy)
         if self.policy.system_prompt is not None and not self.policy.chat_prompts:
             raise ConfigError("policy.system_prompt needs policy.chat_prompts=true: a plain-text prompt has no system turn")
         if self.policy.chat_prompts and self.env.episode.mode == "sequence":

@@ -67,8 +67,17 @@ def multi_token_actions(words: tuple[str, ...]) -> ConfigError:
     return ConfigError(f"policy.constrain_to_actions=true needs every action word {list(words)} to be a single "
                        "token of this tokenizer to sample training rollouts (the trainer masks its logits to those "
                        "token ids and cannot reproduce a multi-token constraint); set "
-                       "policy.constrain_to_actions=false and policy.max_tokens to at least "
-                       f"{_spelling_tokens(words)} (evaluation still answers with exactly one of them)")
+                       "policy.constrain_to_actions=false, policy.draw_from_distribution=false and "
+                       f"policy.max_tokens to at least {_spelling_tokens(words)} (evaluation still answers with "
+                       "exactly one of them)")
+
+
+def require_action_words(env_name: str, words: tuple[str, ...] | None) -> None:
+    """``policy.constrain_to_actions=true`` is refused for an env that answers in free text: there
+    are no action words to constrain to, and sampling unconstrained instead would hide it."""
+    if not words:
+        raise ConfigError(f"policy.constrain_to_actions=true needs an env with action words; env {env_name!r} has "
+                          "none (its answers are free text): set policy.constrain_to_actions=false")
 
 
 def _spelling_tokens(words: tuple[str, ...]) -> int:
