@@ -64,6 +64,26 @@ def test_loss_ratio_and_clipping_hand_values():
     assert terms.ratio_mean.item() == pytest.approx(1.6)
 
 
+def test_the_loss_s_parts_by_hand():
+    from ray_forge.core.algorithm import clip_sides, importance_ratios, policy_coefficients, token_means
+
+    lp, blp = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.25, 0.4]]))
+    ratio, tis = importance_ratios(lp, blp, tis_cap=0.0)  # pi / pi_behaviour, weight 1
+    assert ratio[0].tolist() == pytest.approx([2.0, 0.5]) and tis.tolist() == [[1.0, 1.0]]
+    ratio, tis = importance_ratios(lp, blp, tis_cap=1.5)  # pi / pi_old = 1; min(pi_old / pi_behaviour, 1.5)
+    assert ratio.tolist() == [[1.0, 1.0]] and tis[0].tolist() == pytest.approx([1.5, 0.5])
+    # A = -1: ratio 2 -> -2 against -1.2 clipped (the unclipped side is the minimum, it keeps its
+    # gradient); ratio 0.5 -> -0.5 against -0.8 (the clipped side is, the gradient is gone).
+    unclipped, clipped = clip_sides(torch.tensor([[2.0, 0.5]]), torch.tensor([-1.0]), clip_eps=0.2)
+    assert unclipped.tolist() == [[-2.0, -0.5]] and clipped[0].tolist() == pytest.approx([-1.2, -0.8])
+    ones = torch.ones(1, 2)
+    assert policy_coefficients(unclipped, clipped, ones, ones, "token-mean").tolist() == [[-2.0, 0.0]]
+    assert policy_coefficients(unclipped, clipped, ones, ones, "seq-mean-token-mean").tolist() == [[-1.0, 0.0]]
+    # (1 x 1 + 4 x 2 + 9 x 0 + 2 x 1) / (1 + 2 + 0 + 1)
+    means = token_means(torch.tensor([[1.0, 2.0], [0.0, 1.0]]), x=torch.tensor([[1.0, 4.0], [9.0, 2.0]]))
+    assert means["x"].item() == pytest.approx(11 / 4)
+
+
 def test_loss_gradient_is_importance_weighted():
     # Unclipped region: d/dlp of -(exp(lp - blp) * A) = -ratio * A
     lp = torch.log(torch.tensor([[0.55]])).requires_grad_()

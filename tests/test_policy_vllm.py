@@ -360,3 +360,11 @@ def test_a_kv_block_vllm_cpu_cannot_take_is_refused_before_the_engine_starts(tin
 
     with pytest.raises(ConfigError, match=r"policy.block_size=16: .* multiple of 32"):
         VLLMPolicy(tiny_configs.policy(block_size=16), model_dir=tiny_model_dir, action_words=ACTION_WORDS)
+
+
+def test_draws_among_more_action_tokens_than_vllm_returns_logprobs_for_are_refused():
+    from ray_forge.actors.draws import MAX_LOGPROBS, DistributionDraws
+    from ray_forge.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"policy.draw_from_distribution=true .* at most 20 and this env has 21"):
+        DistributionDraws(None, list(range(MAX_LOGPROBS + 1)), 1.0, tokenizer=None)  # refused before the loop is used

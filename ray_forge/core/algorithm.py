@@ -185,7 +185,8 @@ def importance_ratios(logprobs_BT: torch.Tensor, behaviour_logprobs_BT: torch.Te
     return ratio_BT, tis_BT
 
 
-def clip_sides(ratio_BT: torch.Tensor, advantages_B: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_sides(ratio_BT: torch.Tensor, advantages_B: torch.Tensor,
+               clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(unclipped_BT, clipped_BT): ratio x advantage and the ratio clipped to 1 +- ``clip_eps`` x
     advantage, the two terms of PPO's pessimistic minimum."""
     clipped_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps)
