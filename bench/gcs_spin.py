@@ -62,6 +62,8 @@ def cores_used(cluster: LocalCluster, seconds: float) -> dict[str, float]:
 def lose_a_node(placement: str, watch_s: float) -> dict:
     import ray
 
+    from ray_forge.cluster import nodes
+
     @ray.remote(max_restarts=5)
     class Member:
         def node(self) -> str:
@@ -81,7 +83,7 @@ def lose_a_node(placement: str, watch_s: float) -> dict:
             members = [Member.options(num_cpus=1, label_selector=GPU).remote() for _ in range(2)]
         where = ray.get([m.node.remote() for m in members], timeout=120)
         before = cores_used(cluster, 5.0)
-        ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == where[1])
+        ip = nodes.alive_address(where[1])
         spec = cluster.kill_node(cluster.node_at(ip))
         cluster.wait_for_nodes(len(NODES) - 1)  # Ray has declared it dead: from here the GCS reschedules
         after = cores_used(cluster, watch_s)

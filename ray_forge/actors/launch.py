@@ -16,6 +16,7 @@ from ray_forge.actors.policy import PolicyActor
 from ray_forge.actors.reference import ReferenceActor
 from ray_forge.actors.trainer import TrainerActor
 from ray_forge.actors.trainer_group import TrainerGroup
+from ray_forge.cluster import nodes
 from ray_forge.cluster.pools import Pools
 from ray_forge.config.schema import POOL_LABEL, GRPOConfig, JobConfig, TrainerConfig
 from ray_forge import identity
@@ -176,14 +177,13 @@ def start_trainer_ranks(trainer: TrainerConfig, slots: list, model_dir: str, tot
 
 def log_placement(actor_nodes: dict[ActorId, str]) -> None:
     """One line per node: its address, its pool label and the actors on it."""
-    nodes = {n["NodeID"]: n for n in ray.nodes()}
     by_node: dict[str, list[str]] = {}
     for actor, node_id in actor_nodes.items():
         by_node.setdefault(node_id, []).append(str(actor))
     for node_id, names in by_node.items():
-        node = nodes.get(node_id, {})
-        log.info("node %s (%s=%s): %s", node.get("NodeManagerAddress", node_id[:8]), POOL_LABEL,
-                 node.get("Labels", {}).get(POOL_LABEL, "-"), ", ".join(names))
+        node = nodes.find(node_id)
+        log.info("node %s (%s=%s): %s", nodes.address(node) or node_id[:8], POOL_LABEL, nodes.pool(node) or "-",
+                 ", ".join(names))
 
 
 def store_spec(config: JobConfig, name: str, transport: str) -> StoreSpec:

@@ -164,24 +164,23 @@ class LocalCluster:
 
     def wait_for_nodes(self, count: int, timeout_s: float | None = None) -> None:
         """Until Ray counts ``count`` live nodes (this process must be connected)."""
-        import ray
+        from ray_forge.cluster import nodes
 
         timeout_s = timeout_s or self.start_timeout_s
         deadline = time.monotonic() + timeout_s
-        while sum(n["Alive"] for n in ray.nodes()) != count:
+        while len(nodes.alive()) != count:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"Ray counts {sum(n['Alive'] for n in ray.nodes())} live nodes, not {count}, "
-                                   f"after {timeout_s:.0f}s")
+                raise TimeoutError(f"Ray counts {len(nodes.alive())} live nodes, not {count}, after {timeout_s:.0f}s")
             time.sleep(0.5)
 
     def _wait_for_running(self) -> None:
         """Until Ray counts every running node alive, each known by its raylet's port: a node killed
         earlier may or may not be declared dead yet, and its replacement has its address."""
-        import ray
+        from ray_forge.cluster import nodes
 
         deadline = time.monotonic() + self.start_timeout_s
         while True:
-            alive = {(n["NodeManagerAddress"], n["NodeManagerPort"]) for n in ray.nodes() if n["Alive"]}
+            alive = nodes.raylets_alive()
             missing = [i for i in self.alive() if (self.nodes[i].ip, self.manager_ports[i]) not in alive]
             if not missing:
                 return
