@@ -163,6 +163,9 @@ class _StillFleet:
     def recover(self, name) -> None:
         pass
 
+    async def kill(self, name) -> None:
+        self.chaos_kills.append(name)
+
 
 def test_the_monkey_never_kills_twice_before_a_chunk_has_finished(monkeypatch):
     """However fast its clock, it waits for the fleet's progress: a slow machine gets fewer kills,

@@ -10,7 +10,8 @@ import pytest
 from ray_forge import identity
 from ray_forge.identity import Role
 from ray_forge.remote import RemoteCallError
-from ray_forge.run import fleet as fleet_module
+from ray_forge.run.fleet import engine_nodes
+from ray_forge.run.fleet import membership as fleet_module
 from ray_forge.run.fleet import Fleet, FleetError
 
 
@@ -26,8 +27,8 @@ def _answering(fleet: Fleet, monkeypatch, pids: dict) -> None:
     async def node_of(name):
         fleet.engine_nodes[name] = "node-of-" + str(name)
 
-    monkeypatch.setattr(fleet, "_whoami", whoami)
-    monkeypatch.setattr(fleet, "_note_node", node_of)
+    monkeypatch.setattr(fleet.membership, "_whoami", whoami)
+    monkeypatch.setattr(fleet.membership.engine_nodes, "note_node", node_of)
     monkeypatch.setattr(fleet_module, "REJOIN_CHECK_S", 0.05)
 
 
@@ -65,7 +66,7 @@ def test_an_engine_not_back_in_time_is_left_out_and_rejoins_when_it_is(monkeypat
     policy_0, policy_1 = identity.all_of(Role.POLICY, 2)
     fleet = Fleet([object(), object()], [], policy_timeout_s=0.2, env_timeout_s=5)
     pids = {policy_0: 100, policy_1: None}
-    fleet.pids = {policy_0: 100, policy_1: 101}
+    fleet.membership.pids = {policy_0: 100, policy_1: 101}
     _answering(fleet, monkeypatch, pids)
 
     async def scenario() -> None:
@@ -124,7 +125,7 @@ def test_an_engine_that_dies_again_while_it_catches_up_is_waited_for_again(monke
     policy_0 = identity.policy(0)
     fleet = Fleet([object()], [], policy_timeout_s=5, env_timeout_s=5)
     pids = {policy_0: 500}
-    fleet.pids = {policy_0: 100}
+    fleet.membership.pids = {policy_0: 100}
     _answering(fleet, monkeypatch, pids)
     syncs = []
 
@@ -135,7 +136,7 @@ def test_an_engine_that_dies_again_while_it_catches_up_is_waited_for_again(monke
             raise RemoteCallError(f"{name}.update_weights failed: the actor died", "update_weights", died=True,
                                   actor=name)
 
-    monkeypatch.setattr(fleet, "_sync", sync)
+    monkeypatch.setattr(fleet.versions, "catch_up", sync)
 
     async def scenario() -> None:
         fleet.recover(policy_0)
@@ -161,7 +162,7 @@ def test_a_member_that_is_down_is_asked_once_per_rejoin_check(monkeypatch):
         asked.append(asyncio.get_running_loop().time())
         raise RemoteCallError(f"{name}.whoami failed: the actor died (unavailable)", "whoami", died=True, actor=name)
 
-    monkeypatch.setattr(fleet, "_whoami", unreachable)
+    monkeypatch.setattr(fleet.membership, "_whoami", unreachable)
 
     async def scenario() -> None:
         fleet.recover(policy_1)
@@ -180,12 +181,12 @@ def test_the_weight_store_stops_waiting_for_an_engine_on_a_lost_node_as_soon_as_
     policy_0, policy_1 = identity.all_of(Role.POLICY, 2)
     fleet = Fleet([object(), object()], [], policy_timeout_s=30, env_timeout_s=30)
     pids = {policy_0: None, policy_1: None}
-    fleet.pids = {policy_0: 100, policy_1: 101}
-    fleet.engine_nodes = {policy_0: "node-0", policy_1: "node-1"}
-    fleet.spec = object()  # a sync happened: there are versions to read
+    fleet.membership.pids = {policy_0: 100, policy_1: 101}
+    fleet.membership.engine_nodes.of = {policy_0: "node-0", policy_1: "node-1"}
+    fleet.versions.spec = object()  # a sync happened: there are versions to read
     _answering(fleet, monkeypatch, pids)
     monkeypatch.setattr(fleet_module, "REJOIN_CHECK_S", 5.0)  # no rejoin check comes within the test
-    monkeypatch.setattr(fleet_module.nodes, "lost", lambda node_id: node_id == "node-1")
+    monkeypatch.setattr(engine_nodes.nodes, "lost", lambda node_id: node_id == "node-1")
     told = []
 
     class Store:
@@ -195,7 +196,7 @@ def test_the_weight_store_stops_waiting_for_an_engine_on_a_lost_node_as_soon_as_
         async def receiver_gone(self, name: str, pid: int) -> None:
             told.append((name, pid))
 
-    monkeypatch.setattr(fleet_module, "ControllerClient", Store)
+    monkeypatch.setattr(engine_nodes, "ControllerClient", Store)
 
     async def scenario() -> None:
         fleet.recover(policy_1)
@@ -215,12 +216,12 @@ def test_a_wait_for_a_member_that_fails_is_said_once_not_left_for_python_to_prin
 
     env_0 = identity.env(0)
     fleet = Fleet([], [object()], policy_timeout_s=5, env_timeout_s=5)
-    fleet.pids = {env_0: 300}
+    fleet.membership.pids = {env_0: 300}
 
     async def whoami(name, timeout_s=None):
         raise ValueError("the cluster is shutting down")
 
-    monkeypatch.setattr(fleet, "_whoami", whoami)
+    monkeypatch.setattr(fleet.membership, "_whoami", whoami)
 
     async def scenario() -> None:
         fleet.recover(env_0)

@@ -22,7 +22,7 @@ def test_failed_syncs_hold_the_served_version_then_stop_the_run(monkeypatch):
         fleet.held[name] = round_.version
         return {"load_s": 0.1, "paused_s": 0.1, "version": round_.version}
 
-    monkeypatch.setattr(fleet, "_update", update)
+    monkeypatch.setattr(fleet.versions, "_update", update)
     served = []
     for version in range(1, 7):
         asyncio.run(fleet.sync(spec, version))
@@ -44,7 +44,7 @@ def test_an_engine_that_a_version_cannot_reach_yet_is_not_serving_it(monkeypatch
         fleet.held[name] = 0
         return {"fetch_s": 0.5, "version": 0}
 
-    monkeypatch.setattr(fleet, "_update", update)
+    monkeypatch.setattr(fleet.versions, "_update", update)
     assert asyncio.run(fleet.sync(spec, 1)) == {}
     assert (fleet.serving, fleet.failed_syncs) == (0, 1)
 
@@ -63,7 +63,7 @@ def test_a_closed_fleet_cancels_its_waits_for_restarts_and_starts_no_more(monkey
         asked.append(name)
         await asyncio.sleep(3600)
 
-    monkeypatch.setattr(fleet, "_whoami", never_back)
+    monkeypatch.setattr(fleet.membership, "_whoami", never_back)
 
     async def scenario():
         async with asyncio.timeout(10):
@@ -101,7 +101,7 @@ def test_a_sync_that_leaves_engines_further_behind_than_the_rollouts_may_lag_is_
             fleet.held[name] = round_.version
             return {"load_s": 0.1, "version": round_.version}
 
-        monkeypatch.setattr(fleet, "_update", update)
+        monkeypatch.setattr(fleet.versions, "_update", update)
         return fleet, asked
 
     spec = StoreSpec(name="sync-lag", transport="shm")
@@ -121,13 +121,13 @@ def test_a_sync_that_leaves_engines_further_behind_than_the_rollouts_may_lag_is_
     assert asked == ["policy-0", "policy-1", "policy-1", "policy-1"]
 
     fleet, asked = fleet_failing(lag=0, failures=1)
-    fleet.steps = 1  # the last step's version: no game waits for it
+    fleet.versions.steps = 1  # the last step's version: no game waits for it
     asyncio.run(fleet.sync_weights(_Trainer(), spec, 1))
     assert asked == ["policy-0", "policy-1"] and (fleet.serving, fleet.failed_syncs) == (0, 1)
 
     fleet, asked = fleet_failing(lag=0, failures=1)
     pushed = StoreSpec(name="sync-lag-push", transport="collective", receivers=("policy-0", "policy-1"))
-    monkeypatch.setattr("ray_forge.run.fleet.SyncRound.open", _no_session)
+    monkeypatch.setattr("ray_forge.run.fleet.versions.SyncRound.open", _no_session)
     with pytest.raises(FleetError, match=r"weights version 1 reached no engine of \['policy-1'\].*a push is kept "
                                          r"nowhere to fetch again"):
         asyncio.run(fleet.sync_weights(_Trainer(), pushed, 1))

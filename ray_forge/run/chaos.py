@@ -14,13 +14,11 @@ import asyncio
 import logging
 import random
 
-import ray
-
 from ray_forge.cluster import local, nodes
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import ChaosConfig, NodeKill
 from ray_forge.identity import ActorId
-from ray_forge.remote import get
+from ray_forge.remote import SMALL_CALL_S, get
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +29,13 @@ def victims(config: ChaosConfig, members: list[ActorId]) -> list[ActorId]:
 
 
 async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event) -> None:
-    """Until ``stop`` is set: wait ``every_s`` (x0.5 to x1.5), kill one allowed actor, append it to
-    ``fleet.chaos_kills``. An actor is spared while it restarts (Ray says it is not alive yet):
-    killing an engine again before it is up would only show that it cannot start. If the drawn
-    one is restarting, another is drawn; if all are, the kill waits. A kill also waits until the
-    fleet has played a chunk to its end since the last one: on a slow machine the faults come
-    slower, never so fast that no chunk can finish (which would only show the machine's speed)."""
+    """Until ``stop`` is set: wait ``every_s`` (x0.5 to x1.5), kill one allowed actor through the
+    fleet (``Fleet.kill``: it counts the kill and waits for the restart). An actor is spared while
+    it restarts (Ray says it is not alive yet): killing an engine again before it is up would only
+    show that it cannot start. If the drawn one is restarting, another is drawn; if all are, the
+    kill waits. A kill also waits until the fleet has played a chunk to its end since the last
+    one: on a slow machine the faults come slower, never so fast that no chunk can finish (which
+    would only show the machine's speed)."""
     rng = random.Random(config.seed)
     allowed = victims(config, sorted(fleet.members))
     if not allowed:
@@ -58,10 +57,7 @@ async def chaos_monkey(config: ChaosConfig, fleet, stop: asyncio.Event) -> None:
                 return
         done_at_kill = fleet.plays_done
         log.warning("chaos: killing %s", name)
-        ray.kill(fleet.members[name], no_restart=False)
-        fleet.chaos_kills.append(name)
-        await asyncio.sleep(1.0)  # the process is gone within this: the fleet then waits for the new one
-        fleet.recover(name)
+        await fleet.kill(name)
 
 
 async def _stopped(stop: asyncio.Event, wait_s: float) -> bool:
@@ -114,9 +110,8 @@ class NodeChaos:
                 log.error("chaos: could not lose the node holding %s: %s", kill.holding, err)
 
     def _kill(self, kill: NodeKill):
-        node_id = get(self.actors[kill.holding].node_id.remote(), timeout_s=60, what="node_id")
-        node = nodes.find(node_id)
-        ip = node["NodeManagerAddress"] if node.get("Alive") else None
+        node_id = get(self.actors[kill.holding].node_id.remote(), timeout_s=SMALL_CALL_S, what="node_id")
+        ip = nodes.alive_address(node_id)
         if ip is None:
             raise ValueError(f"{kill.holding} runs on node {node_id[:8]}, which Ray does not list as alive")
         index = self.cluster.node_at(ip)

@@ -95,7 +95,7 @@ class Checkpoints:
         """The trainer, the buffer and the fleet's counts from the checkpoint, then the engines
         synced to the restored weights; returns the next batch to play."""
         version, next_batch = await self._load(actors, start.progress, start.buffer)
-        fleet.carried = dict(start.progress.counts)
+        fleet.counters.load_state_dict(start.progress.counts)
         await fleet.sync_weights(actors.trainer, actors.store.spec, version)
         if fleet.serving != version:  # rollouts wait for the restored version: none would ever start
             raise FleetError(f"the restored weights (version {version}) reached no engine; see the errors above")

@@ -8,7 +8,7 @@ import json
 from ray_forge.actors.launch import Actors
 from ray_forge.core.env import EnvSetup
 from ray_forge.observe.metrics import read_metrics
-from ray_forge.remote import get
+from ray_forge.remote import SMALL_CALL_S, get
 from ray_forge.run.checkpoints import METRICS, Progress
 from ray_forge.run.directory import FINISHED_FILE, Run
 from ray_forge.run.fleet import Fleet, FleetError
@@ -20,8 +20,9 @@ def summarize(run: Run, env: EnvSetup, actors: Actors, fleet: Fleet, progress: P
     up = fleet.engines_up()  # an engine lost with its node, and not back, is named instead
     if not up:
         raise FleetError(f"no engine is up at the run's end (lost: {', '.join(map(str, sorted(fleet.lost)))})")
-    versions = get([fleet.members[name].get_version.remote() for name in up], timeout_s=60, what="policy versions")
-    route = get(fleet.members[up[0]].weights_route.remote(), timeout_s=60, what="weights_route", actor=up[0])
+    versions = get([fleet.members[name].get_version.remote() for name in up], timeout_s=SMALL_CALL_S,
+                   what="policy versions")
+    route = get(fleet.members[up[0]].weights_route.remote(), timeout_s=SMALL_CALL_S, what="weights_route", actor=up[0])
     pictures = env.pictures(run.run_dir, read_metrics(run.run_dir / METRICS), final)
     # The fleet's counters at the end (after settle): a node Ray declared dead after the last step shows here.
     summary = dict(final, **final_row, **fleet.stats(), run_dir=str(run.run_dir), steps=run.config.run.steps, policy_versions=versions,
