@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from operator import attrgetter
 
 import ray
 
@@ -44,9 +45,9 @@ KILL_SETTLE_S = 1.0
 """How long a killed member's process takes to go: the fleet then waits for the new one."""
 
 
-def _of(part: str, name: str) -> property:
-    """The fleet's read-only view of ``name`` of its part ``part``."""
-    return property(lambda self: getattr(getattr(self, part), name))
+def _of(path: str) -> property:
+    """The fleet's read-only view of what ``path`` names in its parts (``"versions.serving"``)."""
+    return property(attrgetter(path))
 
 
 class Fleet:
@@ -65,26 +66,14 @@ class Fleet:
                            needs=needs or (lambda role: "their pool lacks room"))
 
     # The parts' state and methods, asked of the fleet.
-    members, lost, pids = (_of("membership", n) for n in ("members", "lost", "pids"))
-    start, down, engines_up, recover, roll_call, settle, close = (
-        _of("membership", n) for n in ("start", "down", "engines_up", "recover", "roll_call", "settle", "close"))
-    _pick = _of("pairs", "pick")
-    version, held, serving, failed_syncs, spec = (
-        _of("versions", n) for n in ("version", "held", "serving", "failed_syncs", "spec"))
-    sync_weights, sync, until_serving = (_of("versions", n) for n in ("sync_weights", "sync", "until_serving"))
-    plays_done = _of("counters", "plays_done")
-
-    @property
-    def engine_nodes(self) -> dict[ActorId, str]:
-        return self.membership.engine_nodes.of
-
-    @property
-    def calls(self) -> dict[ActorId, set[ray.ObjectRef]]:
-        return self.membership.calls.in_flight
-
-    @property
-    def _call(self):
-        return self.membership.calls.call
+    members, lost, pids, engine_nodes, calls, _call = (_of(f"membership.{name}") for name in (
+        "members", "lost", "pids", "engine_nodes.of", "calls.in_flight", "calls.call"))
+    start, down, engines_up, recover, roll_call, settle, close = (_of(f"membership.{name}") for name in (
+        "start", "down", "engines_up", "recover", "roll_call", "settle", "close"))
+    version, held, serving, failed_syncs, spec, sync_weights, sync, until_serving = (
+        _of(f"versions.{name}") for name in ("version", "held", "serving", "failed_syncs", "spec", "sync_weights",
+                                             "sync", "until_serving"))
+    _pick, plays_done = _of("pairs.pick"), _of("counters.plays_done")
 
     async def play(self, chunk: int, groups: list[tuple[int, int]], settings: RolloutSettings, key: int,
                    sink: tuple | None = None) -> list[list[Episode]] | dict[str, int]:
