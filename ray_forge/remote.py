@@ -16,6 +16,8 @@ T = TypeVar("T")
 SMALL_CALL_S = 60.0
 """Bound on a call that does no model work (who are you, stats, a node id, saving a step's games):
 minutes only when a node is lost or overloaded."""
+SHUTDOWN_S = 30.0
+"""How long an actor has to close politely (engine cores, sessions, process groups) before it is killed."""
 REPLY_SLACK_S = 60.0
 """Added to a bound the callee enforces itself (a play limit, a weight fetch), so its own timeout,
 with its clearer error, fires first."""

@@ -17,6 +17,9 @@ from envs.code.tasks import BUNDLED, Task, load_tasks
 from ray_forge.core.env import Decide, EnvMaker, EnvSpec, PlayEpisodes
 from ray_forge.observe.plots import learning_curve_png, tool_use_png
 
+HTTP_SLACK_S = 30.0
+"""Added to Together's own wall-time limit for a cell: the HTTP round trip, so its limit fires first."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CodeOptions:
@@ -80,7 +83,7 @@ def make_envs(options: CodeOptions, invalid_action_penalty: float) -> EnvMaker:
         from envs.code.together_interpreter import TogetherCodeInterpreter
 
         def interpreter() -> TogetherCodeInterpreter:
-            return TogetherCodeInterpreter(timeout_s=options.limits.wall_s + 30)
+            return TogetherCodeInterpreter(timeout_s=options.limits.wall_s + HTTP_SLACK_S)
 
         # The answer is judged in a session of its own, never in the one the model's calls shaped.
         return EnvMaker(lambda: CodeEnv(tasks, interpreter(), session=interpreter() if options.tool else None,

@@ -23,7 +23,7 @@ from ray_forge.core.env import EnvSetup, StepResult, TextEnv
 from ray_forge.core.episode import Episode
 from ray_forge.identity import ActorId
 from ray_forge.core.play import Play
-from ray_forge.remote import ActorRestarted, Pickled, RemoteCallError, call, get
+from ray_forge.remote import SMALL_CALL_S, ActorRestarted, Pickled, RemoteCallError, call, get
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class EnvPool:
         if sink is None:
             return played
         buffer, batch, chunk, num_chunks = sink
-        await call(buffer.add_chunk.remote(batch, chunk, num_chunks, Pickled(played)), timeout_s=60,
+        await call(buffer.add_chunk.remote(batch, chunk, num_chunks, Pickled(played)), timeout_s=SMALL_CALL_S,
                    what="buffer.add_chunk")
         return dict(games=len(episodes), tokens=sum(len(t.response_ids) for e in episodes for t in e.turns))
 

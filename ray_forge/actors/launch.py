@@ -24,10 +24,13 @@ from ray_forge.core.actions import multi_token_actions, require_action_words
 from ray_forge.core.chat import TOOL_CALL_CLOSE, ChatFormat
 from ray_forge.core.env import EnvSetup
 from ray_forge.identity import ActorId, Role
-from ray_forge.remote import get
+from ray_forge.remote import SHUTDOWN_S, SMALL_CALL_S, get
 from ray_forge.weights import StoreSpec, WeightStore, resolve_transport
 
 log = logging.getLogger(__name__)
+
+ANSWER_FLOOR_S = 1.0
+"""Even past the engines' start deadline, one that is up gets this long to say where it runs."""
 
 # Actors read no secrets and download nothing: models are local folders.
 # vLLM logs every weight reload at INFO; keep `ray job logs` readable.
@@ -66,7 +69,7 @@ class Actors:
             if actor in gone:
                 continue
             try:
-                get(method.remote(), timeout_s=30, what=name, actor=actor)
+                get(method.remote(), timeout_s=SHUTDOWN_S, what=name, actor=actor)
             except Exception as err:  # the actor may already be dead
                 log.warning("%s", err)
         self.trainer.shutdown()
@@ -150,7 +153,7 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
     trainer = TrainerGroup(ranks, config.trainer.call_timeout_s)
     num_params = trainer.setup()
     # The other engines may still be starting: each answers once its constructor is done.
-    policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=max(1.0, started_by - time.monotonic()),
+    policy_nodes = get([p.node_id.remote() for p in policies], timeout_s=max(ANSWER_FLOOR_S, started_by - time.monotonic()),
                        what="policies (vLLM engine start, policy.start_timeout_s)")
     trainer_nodes = trainer.nodes
     transport = resolve_transport(config.weights.transport, trainer_nodes, policy_nodes)
@@ -159,7 +162,7 @@ def _start_on(pools: Pools, config: JobConfig, env: EnvSetup, model_dir: str, st
                     tool_tags=tokenizer and ChatFormat(tokenizer).tool_tags, _all=handles)
     log.info("actors ready: %d policy, %d trainer ranks (%.2fM params), %d env, reference=%s, weights over %s",
              len(policies), len(ranks), num_params / 1e6, len(envs), reference is not None, transport)
-    env_nodes = get([e.node_id.remote() for e in envs], timeout_s=60, what="env actors")
+    env_nodes = get([e.node_id.remote() for e in envs], timeout_s=SMALL_CALL_S, what="env actors")
     log_placement({**dict(zip(identity.all_of(Role.POLICY, len(policies)), policy_nodes)),
                    **dict(zip(identity.all_of(Role.TRAINER, len(ranks)), trainer_nodes)),
                    **dict(zip(identity.all_of(Role.ENV, len(envs)), env_nodes))})

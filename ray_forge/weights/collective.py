@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ray_forge.weights.base import Manifest, Part, StoreSpec, SyncNotOpened, WeightSyncError, version_key
-from ray_forge.weights.controller import ControllerClient
+from ray_forge.weights.controller import CONTROLLER_TIMEOUT_S, ControllerClient
 from ray_forge.weights.layout import Bucket, pack_into
 from ray_forge.weights.rendezvous import Session
 from ray_forge.weights.staging import drop_staging, receiving_device, staging_for
@@ -152,7 +152,7 @@ class CollectiveTransport:
         session = self._session(version, deadline, who=member or "a reader")
         if member not in session.receivers or session.closed:
             if member and session.generation != self.generation:
-                self.controller.receiver_restarted(member, timeout_s=30)
+                self.controller.receiver_restarted(member, timeout_s=CONTROLLER_TIMEOUT_S)
             return None
         manifest = self.controller.manifest(version, deadline)
         me = session.group_rank(member, worker)
