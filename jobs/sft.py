@@ -26,15 +26,17 @@ from ray_forge.actors.trainer_group import TrainerGroup
 from ray_forge.cluster import pools
 from ray_forge.config import ConfigError
 from ray_forge.config.schema import SFTConfig
-from ray_forge.core import checkpoint, sft
+from ray_forge.core import sft
+from ray_forge.core.cadence import every
 from ray_forge.core.chat import ChatFormat
-from ray_forge.core.checkpoint import CheckpointError
+from ray_forge.core.checkpoint import CheckpointError, CheckpointManager
 from ray_forge.models.export import save_hf_folder
 from ray_forge.models.tiny import ModelError
-from ray_forge.observe.metrics import MetricsLog
+from ray_forge.observe.metrics import MetricsLog, open_metrics
 from ray_forge.remote import RemoteCallError
 from ray_forge.run.command_line import parse_args, run_cli, stops_resumably
-from ray_forge.run.directory import FINISHED_FILE, Run, base_model, create, open_run, truncate_metrics
+from ray_forge.run.directory import FINISHED_FILE, Run, base_model, create, open_run, run_namespace, start_point
+from ray_forge.run.recorder import Progress
 
 log = logging.getLogger("sft")
 
@@ -64,50 +66,34 @@ def as_packed(config: SFTConfig, rows: list[sft.Row]) -> list[sft.Packed]:
     return sft.pack(rows, config.data.max_tokens, together=config.data.pack)
 
 
-async def train(config: SFTConfig, trainer: TrainerGroup, run_dir: Path, train_rows, eval_rows, first_step: int,
-                wall_offset_s: float) -> dict:
-    metrics = MetricsLog(run_dir, config.run.steps, progress=config.run.progress, done_steps=first_step - 1,
-                         wall_offset_s=wall_offset_s, desc="SFT")
+async def train(config: SFTConfig, trainer: TrainerGroup, checkpoints: CheckpointManager, progress: Progress,
+                metrics: MetricsLog, train_rows, eval_rows) -> dict:
     held_out = ray.put(eval_rows) if eval_rows else None
     row: dict = {}
-    try:
-        for step in range(first_step, config.run.steps + 1):
-            start = time.monotonic()
-            packed = step_rows(config, train_rows, step)
-            row = await trainer.sft_step(ray.put(packed))
-            row.update(rows=len(packed), loss_tokens=sum(p.loss_tokens for p in packed),
-                       tokens=sum(len(p.token_ids) for p in packed))
-            if held_out is not None and (step == config.run.steps or (config.run.eval_every
-                                                                     and step % config.run.eval_every == 0)):
-                row["eval_loss"] = await trainer.sft_eval(held_out)
-            if step == config.run.steps or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                row["checkpoint_s"] = await save_checkpoint(config, trainer, run_dir, step, row)
-            row["step_time_s"] = time.monotonic() - start
-            metrics.log(step, **row)
-            metrics.advance(loss=row["loss"], eval_loss=row.get("eval_loss"))
-    finally:
-        metrics.close()
+    for step in range(progress.step + 1, config.run.steps + 1):
+        start = time.monotonic()
+        packed = step_rows(config, train_rows, step)
+        row = await trainer.sft_step(ray.put(packed))
+        row.update(rows=len(packed), loss_tokens=sum(p.loss_tokens for p in packed),
+                   tokens=sum(len(p.token_ids) for p in packed))
+        if held_out is not None and every(config.run.eval_every, step, config.run.steps):
+            row["eval_loss"] = await trainer.sft_eval(held_out)
+        progress.step, progress.row = step, row  # a kill before the row is logged leaves it to the resumed run
+        if (saved_s := await checkpoints.save(step, last_step=step == config.run.steps)) is not None:
+            row["checkpoint_s"] = saved_s
+        row["step_time_s"] = time.monotonic() - start
+        metrics.log(step, **row)
+        metrics.advance(loss=row["loss"], eval_loss=row.get("eval_loss"))
     return row
-
-
-async def save_checkpoint(config: SFTConfig, trainer: TrainerGroup, run_dir: Path, step: int, row: dict) -> float:
-    """The trainer's shards, and the step's metrics row: a kill before the row is logged leaves it
-    to the resumed run to write (``truncate_metrics``)."""
-    start = time.monotonic()
-    staging = checkpoint.staging_dir(run_dir, step)
-    try:
-        await trainer.save_checkpoint(str(staging))
-    except ray.exceptions.RayTaskError as err:
-        raise checkpoint.failed(run_dir, step, staging, RuntimeError(str(err).strip().splitlines()[-1])) from None
-    expected = [checkpoint.DCP_METADATA] + [checkpoint.rank_file(r) for r in range(config.trainer.num_ranks)]
-    checkpoint.commit(run_dir, step, staging, {"step": step, "row": row}, config.run.keep_checkpoints, expected)
-    return time.monotonic() - start
 
 
 async def run_job(run: Run, model_dir: str, train_rows, eval_rows, tool_tags: str) -> dict:
     config, run_dir = run.config, run.run_dir
-    namespace = run_dir.name + (f"-resumed-{time.strftime('%H%M%S')}" if run.resumed else "")
-    started_ray = pools.connect(config.cluster, namespace=namespace)
+    checkpoints = CheckpointManager(run_dir, config.run.checkpoint_every, config.run.keep_checkpoints, run.resume_from)
+    progress = Progress(weights_version=False)
+    checkpoints.add(progress=progress)
+    saved, wall_s = start_point(run, checkpoints)
+    started_ray = pools.connect(config.cluster, namespace=run_namespace(run))
     placement = pools.Pools(config.cluster, {config.trainer.resources.pool: [("trainer", config.trainer.resources)]
                                              * config.trainer.num_ranks})
     ranks = start_trainer_ranks(config.trainer, placement.slots["trainer"], model_dir, config.run.steps)
@@ -116,18 +102,13 @@ async def run_job(run: Run, model_dir: str, train_rows, eval_rows, tool_tags: st
         num_params = trainer.setup()
         log.info("%d trainer ranks, %.2fM params, %d train and %d held-out conversations", len(ranks),
                  num_params / 1e6, len(train_rows), len(eval_rows))
-        first_step, wall = 1, 0.0
-        if run.resume_from is not None:
-            done = await trainer.load_checkpoint(str(run.resume_from))
-            saved = checkpoint.read_driver_state(run.resume_from)
-            if done != saved["step"]:
-                raise CheckpointError(f"{run.resume_from}: the trainer's shards are at step {done}, its driver state "
-                                      "at another")
-            first_step, wall = done + 1, truncate_metrics(run_dir, done, saved.get("row"))
-            log.info("resumed %s from %s: step %d", run_dir, run.resume_from.name, done)
-        elif run.resumed:
-            wall = truncate_metrics(run_dir, 0)
-        last = await train(config, trainer, run_dir, train_rows, held_out_packed(config, eval_rows), first_step, wall)
+        await checkpoints.attach(saved, trainer=trainer)
+        metrics = open_metrics(run_dir, config, progress.step, wall_s, desc="SFT")
+        try:
+            last = await train(config, trainer, checkpoints, progress, metrics, train_rows,
+                               held_out_packed(config, eval_rows))
+        finally:
+            metrics.close()
         await save_hf_folder(trainer, model_dir, run_dir / "final_model", config.run.steps, config.trainer.dtype)
         summary = dict(run_dir=str(run_dir), final_model=str(run_dir / "final_model"), steps=config.run.steps,
                        loss=last.get("loss"), eval_loss=last.get("eval_loss"), tool_tags=tool_tags)

@@ -106,3 +106,73 @@ def test_a_checkpoint_missing_a_ranks_files_is_refused(tmp_path):
         checkpoint.commit(tmp_path, 4, staging, {"step": 4}, keep=2,
                           expected=[checkpoint.DCP_METADATA, checkpoint.rank_file(0), checkpoint.rank_file(1)])
     assert checkpoint.latest(tmp_path).name == "step-00000002" and not staging.exists()
+
+
+class _Counter:
+    """A part of the driver's state, as the manager sees one."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class _Shards:
+    """A component that writes its own file into the checkpoint (as the trainer ranks do)."""
+
+    def __init__(self) -> None:
+        self.loaded = []
+
+    def files(self) -> list[str]:
+        return [f"{checkpoint.TRAINER_DIR}/shard"]
+
+    async def save(self, folder: Path) -> dict:
+        (folder / checkpoint.TRAINER_DIR / "shard").write_text("w")
+        return {"written": True}
+
+    async def load(self, folder: Path, saved: dict, step: int) -> None:
+        self.loaded.append(((folder / checkpoint.TRAINER_DIR / "shard").read_text(), saved, step))
+
+
+def test_the_manager_owns_the_cadence_and_gathers_every_part(tmp_path):
+    """Every 3 steps and at the last; each part's state_dict in the driver state, each writer's files
+    in the checkpoint; restore brings the states back, attach the writers."""
+    import asyncio
+
+    from ray_forge.core.cadence import every
+
+    assert [s for s in range(1, 8) if every(3, s, 7)] == [3, 6, 7]
+    assert [s for s in range(1, 8) if every(0, s, 7)] == [7] and not any(every(0, s) for s in range(1, 8))
+    manager, counter = checkpoint.CheckpointManager(tmp_path, every_n=3, keep=5), _Counter()
+    manager.add(counter=counter, shards=_Shards())
+
+    async def run() -> list:
+        saved = []
+        for step in range(1, 8):
+            counter.value = step * 10
+            saved.append(await manager.save(step, last_step=step == 7) is not None)
+        return saved
+
+    assert asyncio.run(run()) == [False, False, True, False, False, True, True]
+    newest = checkpoint.latest(tmp_path)
+    assert checkpoint.read_driver_state(newest) == {"step": 7, "shards": {"written": True}, "value": 70}
+    resumed = checkpoint.CheckpointManager(tmp_path, every_n=3, keep=5, resume_from=newest)
+    again, shards = _Counter(), _Shards()
+    resumed.add(counter=again)
+    saved = resumed.restore()
+    assert again.value == 70
+    asyncio.run(resumed.attach(saved, shards=shards))
+    assert shards.loaded == [("w", {"written": True}, 7)]
+
+
+def test_the_manager_refuses_two_parts_that_claim_one_key(tmp_path):
+    import asyncio
+
+    manager = checkpoint.CheckpointManager(tmp_path, every_n=1, keep=1)
+    manager.add(one=_Counter(), two=_Counter())
+    with pytest.raises(ValueError, match=r"the checkpoint's two state and another part both hold \['value'\]"):
+        asyncio.run(manager.save(1))

@@ -11,6 +11,7 @@ import logging
 import pickle
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 import torch
@@ -18,8 +19,9 @@ import torch
 from ray_forge.config.schema import BufferConfig
 from ray_forge.core.algorithm import Baseline, RewardScale, group_advantages
 from ray_forge.core.batch import groups_to_samples
+from ray_forge.core.checkpoint import BUFFER_STATE
 from ray_forge.core.episode import Episode
-from ray_forge.remote import Pickled
+from ray_forge.remote import SMALL_CALL_S, Pickled, call
 
 COUNTERS = ("generated", "trained", "evicted_stale", "dropped_no_signal", "dropped_full")
 """Cumulative game counts, in the order of the identity above."""
@@ -184,3 +186,25 @@ class ReplayBuffer:
 
 
 BufferActor = ray.remote(ReplayBuffer)
+
+
+class BufferFiles:
+    """The buffer as a part of the run's checkpoints (``core.checkpoint.Writer``): it writes its
+    games into the checkpoint itself, and the driver keeps its rollout position."""
+
+    def __init__(self, buffer) -> None:
+        self.buffer = buffer
+
+    def files(self) -> list[str]:
+        return [BUFFER_STATE]
+
+    async def save(self, folder: Path) -> dict[str, int]:
+        return await call(self.buffer.save.remote(str(folder / BUFFER_STATE)), timeout_s=SMALL_CALL_S,
+                          what="buffer.save")
+
+    async def load(self, folder: Path, saved: dict[str, int], step: int) -> None:
+        games = await call(self.buffer.load.remote(str(folder / BUFFER_STATE)), timeout_s=SMALL_CALL_S,
+                           what="buffer.load")
+        # Loaded after the trainer, which checked that its weights are the step's version.
+        log.info("resumed %s from %s: step %d, policy version %d, %d games buffered, next batch %d",
+                 folder.parent.parent, folder.name, step, step, games, saved["next_batch"])

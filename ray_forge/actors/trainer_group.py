@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import ray
 
 from ray_forge.cluster import nodes
 from ray_forge.core.algorithm import TOKEN_STATS as _TOKEN_WEIGHTED
+from ray_forge.core.checkpoint import DCP_METADATA, CheckpointError, rank_file
 from ray_forge.core.episode import Sample
 from ray_forge.identity import trainer
-from ray_forge.remote import RemoteCallError, call, get
+from ray_forge.remote import SHUTDOWN_S, SMALL_CALL_S, RemoteCallError, call, get, last_line
 from ray_forge.weights import StoreSpec, SyncNotOpened, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -32,10 +34,10 @@ class TrainerGroup:
 
     def setup(self) -> int:
         """Rendezvous at rank 0's address and shard the model; returns the parameter count."""
-        addr, port = get(self.ranks[0].rendezvous_address.remote(), timeout_s=60, what="rendezvous_address",
+        addr, port = get(self.ranks[0].rendezvous_address.remote(), timeout_s=SMALL_CALL_S, what="rendezvous_address",
                          actor=trainer(0))
         counts = get([r.setup.remote(addr, port) for r in self.ranks], timeout_s=self.timeout_s, what="trainer.setup")
-        self.nodes = get([r.node_id.remote() for r in self.ranks], timeout_s=60, what="trainer ranks' nodes")
+        self.nodes = get([r.node_id.remote() for r in self.ranks], timeout_s=SMALL_CALL_S, what="trainer ranks' nodes")
         return counts[0]
 
     async def train_step(self, samples: list[Sample] | ray.ObjectRef,
@@ -92,6 +94,26 @@ class TrainerGroup:
         """Every rank scores the same (prompt, response) pairs; rank 0's answer (see ``TitanTrainer.score``)."""
         return (await self._all("score", lambda rank: (pairs,)))[0]
 
+    # -- as a part of the run's checkpoints (``core.checkpoint.Writer``) --------------------------
+    def files(self) -> list[str]:
+        return [DCP_METADATA] + [rank_file(rank) for rank in range(len(self.ranks))]
+
+    async def save(self, folder: Path) -> None:
+        try:
+            await self.save_checkpoint(str(folder))
+        except ray.exceptions.RayTaskError as err:  # a rank could not write its shards (a full disk, ...)
+            raise CheckpointError(last_line(err)) from None
+
+    async def load(self, folder: Path, saved: None, step: int) -> None:
+        try:
+            version = await self.load_checkpoint(str(folder))
+        except ray.exceptions.RayTaskError as err:
+            raise CheckpointError(f"{folder} could not be loaded: {last_line(err)}; move it aside to resume "
+                                  "from the one before") from None
+        if version != step:
+            raise CheckpointError(f"{folder}: the trainer's shards are at version {version}, the driver's state "
+                                  f"at step {step}")
+
     async def save_checkpoint(self, folder: str) -> float:
         """Every rank writes its shards into ``folder``; returns the slowest rank's seconds."""
         return max(await self._all("save_checkpoint", lambda rank: (folder,)))
@@ -132,7 +154,7 @@ class TrainerGroup:
 
     def shutdown(self) -> None:
         try:
-            get([r.shutdown.remote() for r in self.ranks], timeout_s=30, what="trainer.shutdown")
+            get([r.shutdown.remote() for r in self.ranks], timeout_s=SHUTDOWN_S, what="trainer.shutdown")
         except Exception:  # a dead rank cannot be shut down politely; the actor is killed anyway
             pass
 

@@ -10,14 +10,21 @@ not match it, is skipped on resume with a warning, in favour of the one before.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import os
 import pickle
+import random
 import shutil
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import torch
+
+from ray_forge.core.cadence import every
 
 log = logging.getLogger(__name__)
 
@@ -183,3 +190,89 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class Stateful(Protocol):
+    """A part of the driver's state: its keys of ``driver.pkl``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Writer(Protocol):
+    """A component that writes its own files into the checkpoint being built (the trainer ranks'
+    shards, the buffer's games); what it returns is kept in the driver's state under its name."""
+
+    def files(self) -> list[str]: ...
+
+    async def save(self, folder: Path) -> Any: ...
+
+    async def load(self, folder: Path, saved: Any, step: int) -> None: ...
+
+
+class CheckpointManager:
+    """A run's checkpoints in torchtitan's pattern: ``save(step, last_step)`` decides whether one is
+    due (every ``every`` steps and at the last), gathers each writer's files and each state's
+    ``state_dict()``, and commits them atomically; ``restore`` and ``load`` bring them back."""
+
+    def __init__(self, run_dir: Path, every_n: int, keep: int, resume_from: Path | None = None) -> None:
+        self.run_dir, self.every_n, self.keep, self.resume_from = Path(run_dir), every_n, keep, resume_from
+        self.states: dict[str, Stateful] = {}
+        self.writers: dict[str, Writer] = {}
+
+    def add(self, **components: Stateful | Writer) -> None:
+        for name, component in components.items():
+            (self.writers if hasattr(component, "files") else self.states)[name] = component
+
+    async def save(self, step: int, last_step: bool = False) -> float | None:
+        """Step ``step``'s checkpoint if one is due; seconds it took, or None."""
+        if not (last_step or every(self.every_n, step)):
+            return None
+        start = time.monotonic()
+        driver: dict[str, Any] = dict(step=step)
+        for name, state in self.states.items():
+            part = state.state_dict()
+            if clash := part.keys() & (driver.keys() | self.writers.keys()):
+                raise ValueError(f"the checkpoint's {name} state and another part both hold {sorted(clash)}")
+            driver.update(part)
+        staging = await asyncio.to_thread(staging_dir, self.run_dir, step)
+        try:
+            for name, writer in self.writers.items():  # in the order added: the trainer's shards first
+                driver[name] = await writer.save(staging)
+        except CheckpointError as err:  # a rank could not write its shards (a full disk, ...)
+            raise failed(self.run_dir, step, staging, err) from None
+        expected = [file for writer in self.writers.values() for file in writer.files()]
+        await asyncio.to_thread(commit, self.run_dir, step, staging, driver, self.keep, expected)
+        return time.monotonic() - start
+
+    def restore(self) -> dict[str, Any] | None:
+        """The resumed checkpoint's driver state, loaded into every state added so far; None for a
+        fresh start."""
+        if self.resume_from is None:
+            return None
+        saved = read_driver_state(self.resume_from)
+        for state in self.states.values():
+            state.load_state_dict(saved)
+        return saved
+
+    async def attach(self, saved: dict[str, Any] | None, **components: Stateful | Writer) -> None:
+        """Components made after ``restore`` (actors, and what counts them): part of every checkpoint
+        from now on, and loaded from ``saved`` (the resumed checkpoint's driver state) if there is one."""
+        self.add(**components)
+        for name, component in components.items() if saved is not None else ():
+            if name in self.writers:
+                await component.load(self.resume_from, saved[name], saved["step"])
+            else:
+                component.load_state_dict(saved)
+
+
+class RandomState:
+    """The driver's RNGs (Python's and torch's) as a part of its checkpointed state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(rng=dict(python=random.getstate(), torch=torch.get_rng_state()))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])

@@ -18,7 +18,8 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from ray_forge import identity
-from ray_forge.observe.trackers import Tracker
+from ray_forge.config import to_dict
+from ray_forge.observe.trackers import Tracker, open_trackers
 
 EXPORTED = {
     "train_reward": "Mean reward of the games in the step's training batch",
@@ -40,6 +41,10 @@ EXPORTED = {
     "sync_logprob_max_diff": f"Largest |logprob difference| between {identity.policy(0)} and the trainer after a sync",
 }
 """Row keys exported as Ray gauges, with their descriptions (``forge_`` + key; Ray adds ``ray_``)."""
+
+
+METRICS_FILE = "metrics.jsonl"
+"""A run's metrics rows, one JSON object per line, in its run directory."""
 
 
 class RayGauges:
@@ -98,7 +103,7 @@ class MetricsLog:
         import ray
 
         self.trackers = list(trackers)
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self._file = self.path.open("a")
         self._gauges = RayGauges(run_dir.name) if ray.is_initialized() else None
         self._start = time.monotonic() - wall_offset_s
@@ -139,6 +144,15 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+
+def open_metrics(run_dir: Path, config, done_steps: int = 0, wall_offset_s: float = 0.0,
+                 desc: str = "GRPO") -> MetricsLog:
+    """A job's metrics log as its config (``run.steps``, ``run.progress``, ``run.loggers``) asks."""
+    loggers = getattr(config.run, "loggers", ())  # an SFT run writes its jsonl only
+    trackers = open_trackers(loggers, run_dir, to_dict(config), done_steps) if loggers else []
+    return MetricsLog(run_dir, config.run.steps, progress=config.run.progress, done_steps=done_steps,
+                      wall_offset_s=wall_offset_s, desc=desc, trackers=trackers)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

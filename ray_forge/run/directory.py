@@ -16,8 +16,9 @@ import yaml
 from ray_forge.config import ConfigError, load_config, to_dict
 from ray_forge.config.schema import JobConfig
 from ray_forge.core import checkpoint
+from ray_forge.core.checkpoint import CheckpointManager
 from ray_forge.models.tiny import check_model_dir, make_tiny_qwen3
-from ray_forge.observe.metrics import metrics_row
+from ray_forge.observe.metrics import METRICS_FILE, metrics_row
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def truncate_metrics(run_dir: Path, last_step: int, row: dict | None = None) -> 
     resumed run appends without duplicate steps. The kill may come between a checkpoint and its
     metrics row: ``row``, the row of ``last_step`` the checkpoint kept, is written then. Returns the
     kept rows' last wall time."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.exists() and row is None:
         return 0.0
     kept = []
@@ -134,6 +135,24 @@ def truncate_metrics(run_dir: Path, last_step: int, row: dict | None = None) -> 
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
     return wall_s
+
+
+def run_namespace(run: Run) -> str:
+    """The run's Ray namespace: a resumed run gets one of its own, as the killed attempt's named
+    actors may not be gone yet."""
+    return run.run_dir.name + (f"-resumed-{time.strftime('%H%M%S')}" if run.resumed else "")
+
+
+def start_point(run: Run, checkpoints: CheckpointManager) -> tuple[dict | None, float]:
+    """Where a run starts: the resumed checkpoint's driver state, loaded into the parts of it added
+    so far (None for a fresh start), and the wall time its clock goes on from. Metrics rows after
+    the checkpoint are cut off (the resumed run writes them again)."""
+    if run.resume_from is None:
+        if run.resumed:  # stopped before its first checkpoint: start it again from step 0
+            log.warning("%s has no usable checkpoint: starting it again from step 0", run.run_dir)
+        return None, truncate_metrics(run.run_dir, -1) if run.resumed else 0.0
+    saved = checkpoints.restore()
+    return saved, truncate_metrics(run.run_dir, saved["step"], saved.get("row"))
 
 
 def base_model(run: Run, corpus: Callable[[], list[str]], chat: bool) -> str:
