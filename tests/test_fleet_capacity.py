@@ -1,6 +1,6 @@
 """Members that do not come back (their node lost, and no room to start them elsewhere): the run goes
 on without them and takes them back when Ray starts them again; with no member of a role up for
-``cluster.placement_timeout_s`` it stops, naming what the role's pool lacks. Never an endless wait."""
+``cluster.capacity_timeout_s`` it stops, naming what the role's pool lacks. Never an endless wait."""
 
 import asyncio
 import logging
@@ -50,7 +50,7 @@ def test_with_no_member_of_a_role_up_the_run_stops_within_the_placement_timeout_
         for name in identity.all_of(Role.ENV, 2):
             fleet.recover(name)
         start = asyncio.get_running_loop().time()
-        with pytest.raises(FleetError, match=r"no env actor has been up for \d+s \(cluster.placement_timeout_s 1s\): "
+        with pytest.raises(FleetError, match=r"no env actor has been up for \d+s \(cluster.capacity_timeout_s 1s\): "
                                              r"Ray could not start env-0, env-1 again; pool cpu lacks \{'CPU': 0.25\} "
                                              r"for each env actor"):
             await fleet._pick(Role.ENV, 0)

@@ -140,6 +140,9 @@ class ClusterConfig:
     A pool that is not listed may land on any node (the local default)."""
     placement_timeout_s: float = positive(300.0)
     """How long to wait for a pool's placement group before failing with the missing resources."""
+    capacity_timeout_s: float = positive(300.0)
+    """How long a role (the engines, the env actors) may have no member up, all restarting or lost
+    with their nodes, before the run stops naming what its pool lacks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -470,6 +473,9 @@ class RunConfig:
     sync_check_every: int = at_least(0, 10)
     """After every N-th weight sync, compare policy-0 with the trainer on the env's probe prompts
     (greedy agreement, largest logprob difference; see ``ray_forge/run/sync_check.py``). 0: never."""
+    sync_check_final: bool = True
+    """Check once more at the run's end, after the engines load the moving average of its weights
+    (``trainer.ema_decay``): the final policy is the one served."""
     sync_check_prompts: int = at_least(0, 0)
     """How many of the env's probe prompts a sync check asks, a fresh draw each check (seeded by
     the run's seed and the version): a wrong reload shows in any of them, and BlackJack's 360

@@ -21,7 +21,9 @@ from operator import attrgetter
 import ray
 
 from ray_forge import identity
+from ray_forge.actors.launch import Actors
 from ray_forge.actors.rollout import RolloutSettings
+from ray_forge.config.schema import JobConfig
 from ray_forge.core.episode import Episode
 from ray_forge.identity import ActorId, Role
 from ray_forge.remote import REPLY_SLACK_S, RemoteCallError
@@ -64,6 +66,14 @@ class Fleet:
         self.versions = Versions(self.membership, lag=lag, steps=steps)
         self.pairs = Pairs(self.membership, capacity_timeout_s=capacity_timeout_s,
                            needs=needs or (lambda role: "their pool lacks room"))
+
+    @classmethod
+    def of(cls, config: JobConfig, actors: Actors) -> Fleet:
+        """The fleet of a run's engines and env actors, with its config's bounds."""
+        return cls(actors.policies, actors.envs, policy_timeout_s=config.policy.call_timeout_s,
+                   env_timeout_s=config.env.call_timeout_s, capacity_timeout_s=config.cluster.capacity_timeout_s,
+                   needs=lambda role: actors.pools.need(role.value, config.cluster.pool_labels),
+                   lag=0 if config.buffer.fixed_lag else config.buffer.max_policy_lag, steps=config.run.steps)
 
     # The parts' state and methods, asked of the fleet.
     members, lost, pids, engine_nodes, calls, _call = (_of(f"membership.{name}") for name in (

@@ -50,7 +50,7 @@ class Counters:
 
     def load_state_dict(self, counts: dict[str, int]) -> None:
         """Counts from before a resume (a checkpoint's ``state_dict``): added to those from now on."""
-        self.carried = dict(counts)
+        self.carried = {key: counts[key] for key in CARRIED}
 
     def count_lost_nodes(self) -> int:
         """Nodes of the cluster seen alive since the run began and dead now (a lost pod, a preempted

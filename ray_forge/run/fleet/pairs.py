@@ -54,7 +54,7 @@ class Pairs:
             waited = now - max(self.membership.down_at.get(n, now) for n in names)
             waiting = [self.membership.recovering[n] for n in names if n in self.membership.recovering]
             if not waiting or waited > self.capacity_timeout_s:
-                raise FleetError(f"no {role} actor has been up for {waited:.0f}s (cluster.placement_timeout_s "
+                raise FleetError(f"no {role} actor has been up for {waited:.0f}s (cluster.capacity_timeout_s "
                                  f"{self.capacity_timeout_s:.0f}s): Ray could not start {', '.join(map(str, names))} "
                                  f"again; {self.needs(role)}")
             await asyncio.wait(waiting, timeout=min(REJOIN_CHECK_S, self.capacity_timeout_s - waited + 0.1),
