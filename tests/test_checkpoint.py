@@ -167,6 +167,9 @@ def test_the_manager_owns_the_cadence_and_gathers_every_part(tmp_path):
     assert again.value == 70
     asyncio.run(resumed.attach(saved, shards=shards))
     assert shards.loaded == [("w", {"written": True}, 7)]
+    older = _Shards()  # a writer the checkpoint kept nothing for (written before it had one) gets None
+    asyncio.run(resumed.attach(saved, older=older))
+    assert older.loaded == [("w", None, 7)]
 
 
 def test_the_manager_refuses_two_parts_that_claim_one_key(tmp_path):

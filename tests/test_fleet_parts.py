@@ -53,3 +53,11 @@ def test_the_carried_counts_survive_a_round_trip_and_go_on_from_there():
     assert resumed.counters.state_dict() == saved
     resumed.counters.restarted()
     assert resumed.stats() == dict(saved, actor_restarts=2, actors_restarting=0, actors_lost=0)
+
+
+def test_a_checkpoint_from_before_the_counts_moved_resumes_with_them():
+    """Driver states written before the checkpoint manager kept the fleet's counts under ``counts``."""
+    older = {"step": 4, "counts": {"actor_restarts": 2, "replayed_games": 16, "chaos_kills": 1, "nodes_lost": 0}}
+    counters = Counters()
+    counters.load_state_dict(older)
+    assert counters.state_dict() == older["counts"]

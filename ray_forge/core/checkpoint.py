@@ -262,7 +262,7 @@ class CheckpointManager:
         self.add(**components)
         for name, component in components.items() if saved is not None else ():
             if name in self.writers:
-                await component.load(self.resume_from, saved[name], saved["step"])
+                await component.load(self.resume_from, saved.get(name), saved["step"])  # older checkpoints: no trainer entry
             else:
                 component.load_state_dict(saved)
 

@@ -49,7 +49,9 @@ class Counters:
         return {k: v + self.carried.get(k, 0) for k, v in since_start.items()}
 
     def load_state_dict(self, counts: dict[str, int]) -> None:
-        """Counts from before a resume (a checkpoint's ``state_dict``): added to those from now on."""
+        """Counts from before a resume (a checkpoint's ``state_dict``): added to those from now on. A
+        checkpoint written before the counts sat at the top of the driver's state holds them under ``counts``."""
+        counts = counts.get("counts", counts)
         self.carried = {key: counts[key] for key in CARRIED}
 
     def count_lost_nodes(self) -> int:
